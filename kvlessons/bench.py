@@ -1,0 +1,130 @@
+"""Measurements the lessons quote: ``python -m kvlessons.bench`` prints them as a table.
+
+Timings are wall-clock on whatever device is present, with GPU work synchronised;
+they are never asserted in unit tests, only reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+
+from ._device import device as default_device
+from ._device import synchronize
+from .cache import ConcatCache, StaticCache
+from .model import TinyConfig, TinyDecoder
+from .shape import require_positive_int
+
+MODES = ("recompute", "concat", "static")
+
+
+def _timed(fn, dev) -> float:
+    synchronize(dev)
+    t0 = time.perf_counter()
+    fn()
+    synchronize(dev)
+    return time.perf_counter() - t0
+
+
+@torch.inference_mode()
+def decode_time(model, seq_len: int, mode: str, repeats: int = 5, batch: int = 1) -> float:
+    """Median seconds to produce the token at position ``seq_len`` given ``seq_len`` earlier tokens.
+
+    recompute: one forward pass over all seq_len + 1 tokens, no cache.
+    concat / static: the earlier tokens are prefilled into a ConcatCache / StaticCache
+    (not timed); the timed step feeds one token. The cache is cropped back after each
+    repeat so every repeat does the same work.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    require_positive_int("seq_len", seq_len)
+    require_positive_int("repeats", repeats)
+    dev = model.device
+    g = torch.Generator().manual_seed(seq_len)
+    ids = torch.randint(model.config.vocab_size, (batch, seq_len + 1), generator=g).to(dev)
+    if mode == "recompute":
+        run = lambda: model(ids)  # noqa: E731
+        cleanup = lambda: None  # noqa: E731
+    else:
+        cache = ConcatCache() if mode == "concat" else StaticCache(seq_len + 1)
+        model(ids[:, :seq_len], cache=cache)
+        run = lambda: model(ids[:, seq_len:], cache=cache)  # noqa: E731
+        cleanup = lambda: cache.crop(seq_len)  # noqa: E731
+    run()  # warm-up: first calls allocate and pick kernels
+    cleanup()
+    times = []
+    for _ in range(repeats):
+        times.append(_timed(run, dev))
+        cleanup()
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def prefill_time(model, prompt_len: int, repeats: int = 5, batch: int = 1) -> float:
+    """Median seconds to read a ``prompt_len``-token prompt into an empty cache in one pass."""
+    require_positive_int("prompt_len", prompt_len)
+    require_positive_int("repeats", repeats)
+    dev = model.device
+    g = torch.Generator().manual_seed(prompt_len)
+    ids = torch.randint(model.config.vocab_size, (batch, prompt_len), generator=g).to(dev)
+    model(ids, cache=StaticCache(prompt_len))  # warm-up
+    return statistics.median(_timed(lambda: model(ids, cache=StaticCache(prompt_len)), dev) for _ in range(repeats))
+
+
+def decode_table(model, lengths, modes=MODES, repeats: int = 5) -> list[dict]:
+    """Rows ``{"seq_len", mode: seconds, ..., "speedup"}`` for each length; speedup = recompute / best cached."""
+    rows = []
+    for n in lengths:
+        row = {"seq_len": n}
+        for mode in modes:
+            row[mode] = decode_time(model, n, mode, repeats=repeats)
+        cached = [row[m] for m in ("concat", "static") if m in row]
+        if "recompute" in row and cached:
+            row["speedup"] = row["recompute"] / min(cached)
+        rows.append(row)
+    return rows
+
+
+def machine_description(dev: torch.device) -> str:
+    """One line naming the device, the CPU threads torch uses and the torch version."""
+    if dev.type == "cuda":
+        where = torch.cuda.get_device_name(dev)
+    else:
+        where = f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    return f"{where}; torch {torch.__version__}; Python {platform.python_version()}"
+
+
+def format_table(rows: list[dict], modes=MODES) -> str:
+    """The rows of :func:`decode_table` as an aligned text table in milliseconds per token."""
+    head = ["seq_len"] + [f"{m} ms/tok" for m in modes] + (["speedup"] if rows and "speedup" in rows[0] else [])
+    lines = ["  ".join(f"{h:>16}" for h in head)]
+    for r in rows:
+        cells = [f"{r['seq_len']:>16d}"] + [f"{r[m] * 1e3:>16.3f}" for m in modes]
+        if "speedup" in r:
+            cells.append(f"{r['speedup']:>15.1f}x")
+        lines.append("  ".join(cells))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description="Decode time per token: recompute vs ConcatCache vs StaticCache.")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--device", default=None, help="torch device (default: kvlessons.device())")
+    args = parser.parse_args(argv)
+    for n in args.lengths:
+        require_positive_int("--lengths", n)
+    dev = torch.device(args.device) if args.device else default_device()
+    torch.manual_seed(0)
+    model = TinyDecoder(TinyConfig()).to(dev).eval()
+    print(f"Decode time per token, tiny model {model.config.shape}")
+    print(f"on {machine_description(dev)}")
+    print(format_table(decode_table(model, args.lengths, repeats=args.repeats)))
+
+
+if __name__ == "__main__":
+    main()

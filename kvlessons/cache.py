@@ -1,0 +1,273 @@
+"""The KV cache interface and its two basic variants.
+
+A cache is a container of per-layer objects plus one position counter:
+
+    cache.layer(i).update(k, v) -> (k_all, v_all)   # store the new K/V, return everything held
+    cache.seq_len                                    # positions processed so far
+    cache.check_room(T)                              # refuse, before any write, a T-token append that cannot fit
+    cache.advance(T)                                 # once per forward pass, after the last layer
+    cache.reset(), cache.crop(n), cache.nbytes()
+
+Keys arrive already rotated (RoPE is applied before caching), shaped (B, H_kv, T, D).
+Variants differ only in how a layer stores them. Later lessons add sliding-window,
+cross-layer, FP4 and paged variants on the same interface.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .shape import require_positive_int
+
+
+def _check_kv(k: torch.Tensor, v: torch.Tensor) -> None:
+    if k.dim() != 4:
+        raise ValueError(f"k must be (batch, kv_heads, tokens, head_dim), got shape {tuple(k.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+
+
+def _check_capacity(max_len: int, held: int, new_tokens: int) -> None:
+    if held + new_tokens > max_len:
+        raise ValueError(
+            f"StaticCache is full: max_len={max_len}, holding {held}, cannot append {new_tokens} more"
+        )
+
+
+class LayerCache:
+    """One layer's stored keys and values. Subclasses decide how they are stored."""
+
+    def __init__(self):
+        self.seq_len = 0  # tokens appended to this layer; an explicit counter, never read off the data
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``k, v`` (B, H_kv, T, D) after what is held; return all held K and V."""
+        raise NotImplementedError
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """Held keys (B, H_kv, seq_len, D), or None when empty."""
+        raise NotImplementedError
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """Held values (B, H_kv, seq_len, D), or None when empty."""
+        raise NotImplementedError
+
+    def check_room(self, new_tokens: int) -> None:
+        """Raise ValueError if ``new_tokens`` more cannot be stored. Unbounded by default."""
+
+    def nbytes(self) -> int:
+        """Bytes of memory this layer holds for K and V."""
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """Forget every stored token."""
+        raise NotImplementedError
+
+    def crop(self, length: int) -> None:
+        """Keep only the first ``length`` tokens (to rewind after an edit)."""
+        raise NotImplementedError
+
+    def _check_crop(self, length: int) -> None:
+        require_positive_int("length", length, allow_zero=True)
+        if length > self.seq_len:
+            raise ValueError(f"length must be <= seq_len ({self.seq_len}), got {length}")
+
+
+class ConcatLayer(LayerCache):
+    """Grows by ``torch.cat``: simple, and it copies the whole layer on every append."""
+
+    def __init__(self):
+        super().__init__()
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+
+    def update(self, k, v):
+        _check_kv(k, v)
+        if self._k is None:
+            self._k, self._v = k, v
+        else:
+            if k.shape[:2] != self._k.shape[:2] or k.shape[3] != self._k.shape[3]:
+                raise ValueError(
+                    f"new k {tuple(k.shape)} does not match the cached (batch, kv_heads, _, head_dim) "
+                    f"{tuple(self._k.shape)}"
+                )
+            self._k = torch.cat([self._k, k], dim=2)
+            self._v = torch.cat([self._v, v], dim=2)
+        self.seq_len += k.shape[2]
+        return self._k, self._v
+
+    @property
+    def keys(self):
+        return self._k
+
+    @property
+    def values(self):
+        return self._v
+
+    def nbytes(self):
+        if self._k is None:
+            return 0
+        return self._k.nbytes + self._v.nbytes
+
+    def reset(self):
+        self._k = self._v = None
+        self.seq_len = 0
+
+    def crop(self, length):
+        self._check_crop(length)
+        if length == 0:
+            self.reset()
+            return
+        self._k, self._v = self._k[:, :, :length], self._v[:, :, :length]
+        self.seq_len = length
+
+
+class StaticLayer(LayerCache):
+    """A buffer of ``max_len`` positions, allocated on the first write and written in place."""
+
+    def __init__(self, max_len: int):
+        super().__init__()
+        self.max_len = require_positive_int("max_len", max_len)
+        self._k: torch.Tensor | None = None  # (B, H_kv, max_len, D)
+        self._v: torch.Tensor | None = None
+
+    def check_room(self, new_tokens):
+        _check_capacity(self.max_len, self.seq_len, new_tokens)
+
+    def update(self, k, v):
+        _check_kv(k, v)
+        t = k.shape[2]
+        self.check_room(t)
+        if self._k is None:
+            b, h, _, d = k.shape
+            # A normal (not inference-mode) tensor, so reset() and crop() may write to it
+            # whether or not the caller is inside torch.inference_mode().
+            with torch.inference_mode(False):
+                self._k = torch.zeros(b, h, self.max_len, d, dtype=k.dtype, device=k.device)
+                self._v = torch.zeros(b, h, self.max_len, d, dtype=v.dtype, device=v.device)
+        elif k.shape[:2] != self._k.shape[:2] or k.shape[3] != self._k.shape[3]:
+            raise ValueError(
+                f"new k {tuple(k.shape)} does not match the buffer (batch, kv_heads, _, head_dim) "
+                f"{tuple(self._k.shape)}"
+            )
+        start = self.seq_len
+        with torch.no_grad():  # the cache stores values, it is not part of a training graph
+            self._k[:, :, start : start + t] = k
+            self._v[:, :, start : start + t] = v
+        self.seq_len += t
+        return self.keys, self.values
+
+    @property
+    def keys(self):
+        return None if self._k is None or self.seq_len == 0 else self._k[:, :, : self.seq_len]
+
+    @property
+    def values(self):
+        return None if self._v is None or self.seq_len == 0 else self._v[:, :, : self.seq_len]
+
+    def nbytes(self):
+        # The whole preallocated buffer is held, however much of it is filled.
+        if self._k is None:
+            return 0
+        return self._k.nbytes + self._v.nbytes
+
+    def reset(self):
+        # Keep the buffer (that is the point of preallocating); zero it so no stale entry survives.
+        if self._k is not None:
+            self._k.zero_()
+            self._v.zero_()
+        self.seq_len = 0
+
+    def crop(self, length):
+        self._check_crop(length)
+        if self._k is not None:
+            self._k[:, :, length:].zero_()
+            self._v[:, :, length:].zero_()
+        self.seq_len = length
+
+
+class KVCache:
+    """Per-layer caches, created on first use, and the one position counter ``seq_len``."""
+
+    def __init__(self):
+        self._layers: dict[int, LayerCache] = {}
+        self.seq_len = 0  # positions processed; the next token's position
+
+    def new_layer(self) -> LayerCache:
+        """Return a fresh, empty layer object of this cache's kind."""
+        raise NotImplementedError
+
+    def layer(self, index: int) -> LayerCache:
+        """Return the object layer ``index`` reads and writes."""
+        require_positive_int("index", index, allow_zero=True)
+        if index not in self._layers:
+            self._layers[index] = self.new_layer()
+        return self._layers[index]
+
+    def layers(self) -> list[LayerCache]:
+        """Distinct layer objects created so far, in layer order."""
+        seen, out = set(), []
+        for i in sorted(self._layers):
+            obj = self._layers[i]
+            if id(obj) not in seen:
+                seen.add(id(obj))
+                out.append(obj)
+        return out
+
+    def check_room(self, new_tokens: int) -> None:
+        """Raise ValueError, changing nothing, if ``new_tokens`` cannot be appended."""
+        require_positive_int("new_tokens", new_tokens)
+
+    def advance(self, new_tokens: int) -> None:
+        """Move the position counter past a forward pass of ``new_tokens`` tokens."""
+        require_positive_int("new_tokens", new_tokens)
+        self.seq_len += new_tokens
+
+    def nbytes(self) -> int:
+        """Bytes of memory held for K and V, summed over layers."""
+        return sum(layer.nbytes() for layer in self.layers())
+
+    def reset(self) -> None:
+        """Empty every layer and restart positions at 0."""
+        for layer in self.layers():
+            layer.reset()
+        self.seq_len = 0
+
+    def crop(self, length: int) -> None:
+        """Keep only the first ``length`` positions, e.g. before re-running an edited suffix."""
+        require_positive_int("length", length, allow_zero=True)
+        if length > self.seq_len:
+            raise ValueError(f"length must be <= seq_len ({self.seq_len}), got {length}")
+        for layer in self.layers():
+            layer.crop(length)
+        self.seq_len = length
+
+    def __repr__(self):
+        return f"{type(self).__name__}(seq_len={self.seq_len}, layers={len(self._layers)}, nbytes={self.nbytes()})"
+
+
+class ConcatCache(KVCache):
+    """Grows with ``torch.cat``, as textbook code does. Unbounded; every append copies."""
+
+    def new_layer(self):
+        return ConcatLayer()
+
+
+class StaticCache(KVCache):
+    """Preallocates ``max_len`` positions per layer and writes in place; refuses to overflow."""
+
+    def __init__(self, max_len: int):
+        super().__init__()
+        self.max_len = require_positive_int("max_len", max_len)
+
+    def new_layer(self):
+        return StaticLayer(self.max_len)
+
+    def check_room(self, new_tokens):
+        super().check_room(new_tokens)
+        _check_capacity(self.max_len, self.seq_len, new_tokens)
+
+    def __repr__(self):
+        return f"StaticCache(max_len={self.max_len}, seq_len={self.seq_len}, nbytes={self.nbytes()})"

@@ -1,0 +1,185 @@
+"""Greedy decoding with and without a cache, and an instrument that counts K/V work."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from ._device import synchronize
+from .cache import ConcatCache, KVCache
+from .shape import require_positive_int
+
+
+@dataclass
+class Generation:
+    """What :func:`generate` returns.
+
+    tokens:      (B, P + N), the prompt followed by the new tokens.
+    new_tokens:  (B, N).
+    logits:      (B, N, vocab), the logits each new token was chosen from.
+    step_times:  seconds per forward pass; step 0 reads the prompt (prefill), step i > 0
+                 produces new token i. Wall-clock, with GPU work synchronised.
+    step_lengths: tokens fed to the model at each step (P then 1s with a cache; P, P+1, ... without).
+    """
+
+    tokens: torch.Tensor
+    new_tokens: torch.Tensor
+    logits: torch.Tensor
+    step_times: list[float] = field(default_factory=list)
+    step_lengths: list[int] = field(default_factory=list)
+
+
+def _check_prompt(prompt_ids: torch.Tensor) -> None:
+    if not isinstance(prompt_ids, torch.Tensor) or prompt_ids.dim() != 2:
+        raise ValueError("prompt_ids must be a (batch, tokens) tensor of token ids")
+    if prompt_ids.shape[1] == 0:
+        raise ValueError("prompt_ids must hold at least one token")
+
+
+@torch.inference_mode()
+def generate(model, prompt_ids: torch.Tensor, max_new_tokens: int, cache: KVCache | None = None) -> Generation:
+    """Greedily extend ``prompt_ids`` (B, P) by ``max_new_tokens`` tokens.
+
+    With ``cache=None`` every step re-runs the model over the whole sequence so far
+    (the recompute baseline). With a cache, the prompt is read once (prefill) and each
+    later step feeds only the newest token (decode). The prompt is appended after
+    whatever the cache already holds: pass an empty (or ``reset()``) cache to start over.
+    """
+    _check_prompt(prompt_ids)
+    require_positive_int("max_new_tokens", max_new_tokens, allow_zero=True)
+    dev = prompt_ids.device
+    tokens = prompt_ids
+    fed = prompt_ids
+    new, logits, times, lengths = [], [], [], []
+    for _ in range(max_new_tokens):
+        inputs = tokens if cache is None else fed
+        synchronize(dev)
+        t0 = time.perf_counter()
+        out = model(inputs, cache=cache)[:, -1]  # (B, vocab): only the last position predicts
+        nxt = out.argmax(dim=-1, keepdim=True)  # (B, 1)
+        synchronize(dev)
+        times.append(time.perf_counter() - t0)
+        lengths.append(inputs.shape[1])
+        logits.append(out)
+        new.append(nxt)
+        tokens = torch.cat([tokens, nxt], dim=1)
+        fed = nxt
+    b = prompt_ids.shape[0]
+    new_tokens = torch.cat(new, dim=1) if new else prompt_ids.new_empty(b, 0)
+    all_logits = torch.stack(logits, dim=1) if logits else torch.empty(b, 0, 0, device=dev)
+    return Generation(tokens, new_tokens, all_logits, times, lengths)
+
+
+@dataclass
+class KVWork:
+    """Token-positions whose keys and values were computed, per forward pass (one layer's view).
+
+    Every layer projects the same positions, so ``per_layer_total = total * layers``.
+    """
+
+    layers: int
+    per_forward: list[int] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(self.per_forward)
+
+    @property
+    def per_layer_total(self) -> int:
+        return self.total * self.layers
+
+
+@contextmanager
+def count_kv_work(model):
+    """Count K/V projections while the block runs: ``with count_kv_work(model) as work: ...``.
+
+    A forward hook on the first layer's key projection records batch x tokens per
+    call; the model itself is not changed.
+    """
+    work = KVWork(layers=len(model.blocks))
+
+    def hook(_module, inputs, _output):
+        x = inputs[0]  # (B, T, hidden)
+        work.per_forward.append(x.shape[0] * x.shape[1])
+
+    handle = model.blocks[0].attn.k_proj.register_forward_hook(hook)
+    try:
+        yield work
+    finally:
+        handle.remove()
+
+
+def expected_kv_work(prompt_len: int, new_tokens: int, cached: bool) -> int:
+    """Token-positions of K/V a greedy generation computes, by the formula.
+
+    Recompute: steps see P, P+1, ..., P+N-1 tokens, so N*P + N(N-1)/2 (n(n+1)/2 for P=1, N=n).
+    Cached: the prompt once, then one token per later step, so P + N - 1.
+    """
+    require_positive_int("prompt_len", prompt_len)
+    require_positive_int("new_tokens", new_tokens, allow_zero=True)
+    if new_tokens == 0:
+        return 0
+    if cached:
+        return prompt_len + new_tokens - 1
+    return new_tokens * prompt_len + new_tokens * (new_tokens - 1) // 2
+
+
+@dataclass
+class TraceStep:
+    """The state after one step of a cached generation (for the 'watch it grow' view)."""
+
+    step: int  # 0 = after prefill
+    tokens: list[int]  # everything in context, prompt included
+    cached_tokens: int  # positions held in the cache
+    cache_bytes: int  # cache.nbytes() at this point
+    next_token: int  # the token chosen from this step's logits
+    top_tokens: list[int]  # most likely next tokens
+    top_probs: list[float]
+
+
+@torch.inference_mode()
+def trace_generation(model, prompt_ids: torch.Tensor, max_new_tokens: int, cache: KVCache, top_k: int = 3) -> list[TraceStep]:
+    """Run a cached greedy generation of one sequence and record the cache after every step."""
+    _check_prompt(prompt_ids)
+    if prompt_ids.shape[0] != 1:
+        raise ValueError("trace_generation follows one sequence: prompt_ids must have batch size 1")
+    require_positive_int("max_new_tokens", max_new_tokens)
+    require_positive_int("top_k", top_k)
+    cache.reset()
+    tokens = prompt_ids[0].tolist()
+    fed = prompt_ids
+    steps = []
+    for step in range(max_new_tokens):
+        logits = model(fed, cache=cache)[0, -1]
+        probs = torch.softmax(logits.float(), dim=-1)
+        top = probs.topk(min(top_k, probs.numel()))
+        nxt = int(logits.argmax())
+        steps.append(
+            TraceStep(step, list(tokens), cache.seq_len, cache.nbytes(), nxt, top.indices.tolist(), top.values.tolist())
+        )
+        tokens.append(nxt)
+        fed = torch.tensor([[nxt]], device=prompt_ids.device)
+    return steps
+
+
+def measure_kv_work(model, lengths, prompt_len: int = 1) -> dict[str, list[int]]:
+    """Counted K/V token-positions to generate n tokens after a ``prompt_len`` prompt, for each n.
+
+    Returns ``{"n": [...], "recompute": [...], "cached": [...]}``, each count read off
+    :func:`count_kv_work` while :func:`generate` runs (a fresh ConcatCache for "cached").
+    """
+    require_positive_int("prompt_len", prompt_len)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(model.config.vocab_size, (1, prompt_len), generator=g).to(model.device)
+    result = {"n": [], "recompute": [], "cached": []}
+    for n in lengths:
+        require_positive_int("n", n)
+        result["n"].append(n)
+        for key, cache in (("recompute", None), ("cached", ConcatCache())):
+            with count_kv_work(model) as work:
+                generate(model, prompt, n, cache=cache)
+            result[key].append(work.total)
+    return result

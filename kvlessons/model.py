@@ -1,0 +1,213 @@
+"""A small Llama-style decoder, written to be read.
+
+    ids (B, T) -> embed -> [RMSNorm -> attention(GQA, RoPE, cache) -> + ; RMSNorm -> SwiGLU -> +] x layers
+               -> RMSNorm -> logits (B, T, vocab)
+
+The same forward pass serves prefill, decode and "no cache": with ``cache=None`` it
+runs on a throw-away empty cache, so there is one attention code path, not two.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .attention import attend
+from .cache import ConcatCache, KVCache, LayerCache
+from .rope import apply_rope, rope_tables
+from .shape import ModelShape, require_positive_int
+
+
+@dataclass(frozen=True)
+class TinyConfig:
+    """Sizes of a :class:`TinyDecoder`. The defaults run every lesson on a laptop CPU in seconds."""
+
+    vocab_size: int = 96
+    hidden_size: int = 128
+    layers: int = 2
+    q_heads: int = 8
+    kv_heads: int = 2
+    head_dim: int = 16
+    mlp_hidden: int = 344
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    seed: int = 2
+
+    def __post_init__(self):
+        self.shape  # validates layers, heads and head_dim with ModelShape's rules
+        require_positive_int("vocab_size", self.vocab_size)
+        require_positive_int("mlp_hidden", self.mlp_hidden)
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+    @property
+    def shape(self) -> ModelShape:
+        """The cache-relevant shape of this model."""
+        return ModelShape(
+            layers=self.layers,
+            q_heads=self.q_heads,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            hidden_size=self.hidden_size,
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # Normalise in float32 (as Llama does) so low-precision runs stay stable.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention that reads and writes one layer of a cache."""
+
+    def __init__(self, config: TinyConfig):
+        super().__init__()
+        c = config
+        self.q_heads, self.kv_heads, self.head_dim = c.q_heads, c.kv_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, c.q_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.q_heads * c.head_dim, c.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, layer_cache: LayerCache):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.q_heads, self.head_dim).transpose(1, 2)  # (B, H_q, T, D)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # rotate before caching
+        k_all, v_all = layer_cache.update(k, v)  # (B, H_kv, S, D), S = cached + T
+        out = attend(q, k_all, v_all)  # bottom-right causal mask when T > 1
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: TinyConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.mlp_hidden, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.mlp_hidden, bias=False)
+        self.down_proj = nn.Linear(config.mlp_hidden, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: TinyConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.attn = Attention(config)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, layer_cache):
+        x = x + self.attn(self.attn_norm(x), cos, sin, layer_cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class TinyDecoder(nn.Module):
+    """A Llama-style decoder whose weights depend only on ``config.seed``."""
+
+    def __init__(self, config: TinyConfig | None = None):
+        super().__init__()
+        self.config = config = config or TinyConfig()
+        # Build under a forked RNG: nn.Linear's default init would otherwise consume
+        # the global generator and shift every random number a notebook draws later.
+        with torch.random.fork_rng(devices=[]):
+            self._build(config)
+        self._init_weights(config.seed)
+
+    def _build(self, config: TinyConfig) -> None:
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.layers))
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @torch.no_grad()
+    def _init_weights(self, seed: int) -> None:
+        # A private generator: the weights do not depend on (or disturb) the global RNG.
+        g = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                continue  # RMSNorm gains start at 1
+            fan_in = 1 if p.dim() == 1 or name == "embed.weight" else p.shape[1]
+            p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(fan_in))
+
+    @property
+    def shape(self) -> ModelShape:
+        return self.config.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def forward(self, ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Return logits (B, T, vocab) for ``ids`` (B, T), appended after what ``cache`` holds.
+
+        The new tokens take positions ``cache.seq_len .. cache.seq_len + T - 1``; their
+        keys and values are added to the cache, and the cache advances by T. With
+        ``cache=None`` the tokens are the whole sequence (positions from 0) and
+        nothing is kept.
+        """
+        if ids.dim() != 2:
+            raise ValueError(f"ids must be (batch, tokens), got shape {tuple(ids.shape)}")
+        b, t = ids.shape
+        if t == 0:
+            raise ValueError("ids must hold at least one token")
+        cache = ConcatCache() if cache is None else cache
+        cache.check_room(t)  # refuse before any layer writes, so a full cache stays consistent
+        start = cache.seq_len  # the one place positions come from
+        positions = torch.arange(start, start + t, device=ids.device)
+        cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta)
+        cos, sin = cos.to(self.embed.weight.dtype), sin.to(self.embed.weight.dtype)
+        x = self.embed(ids)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, cache.layer(i))
+        cache.advance(t)  # once per forward pass, never once per layer
+        return self.lm_head(self.norm(x))
+
+
+class CharTokenizer:
+    """Characters to token ids and back: printable ASCII plus newline, 96 tokens.
+
+    The tiny model's weights are random, so what it writes is gibberish; a character
+    vocabulary keeps every token readable on screen.
+    """
+
+    alphabet = "\n" + "".join(chr(c) for c in range(32, 127))
+    unknown = "?"
+
+    def __init__(self):
+        self._index = {ch: i for i, ch in enumerate(self.alphabet)}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.alphabet)
+
+    def encode(self, text: str, device=None) -> torch.Tensor:
+        """Return ids (1, len(text)); characters outside the alphabet become '?'."""
+        ids = [self._index.get(ch, self._index[self.unknown]) for ch in text]
+        return torch.tensor([ids], dtype=torch.long, device=device)
+
+    def decode(self, ids) -> str:
+        """Return the text for a 1-D sequence of ids (tensor or list)."""
+        if isinstance(ids, torch.Tensor):
+            ids = ids.reshape(-1).tolist()
+        return "".join(self.alphabet[i] if 0 <= i < len(self.alphabet) else self.unknown for i in ids)
+
+    def token_str(self, i: int) -> str:
+        """One token, shown so whitespace is visible."""
+        ch = self.decode([i])
+        return {"\n": "\\n", " ": "\u2423"}.get(ch, ch)

@@ -1,0 +1,52 @@
+"""Matplotlib figures for the lessons. They draw what other modules computed; they compute nothing."""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+
+
+def plot_kv_work(work: dict):
+    """Counted K/V token-positions against tokens generated, from :func:`kvlessons.generate.measure_kv_work`."""
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(work["n"], work["recompute"], "o-", label="recompute every step")
+    ax.plot(work["n"], work["cached"], "s-", label="with a KV cache")
+    ax.set_xlabel("tokens generated, n")
+    ax.set_ylabel("K/V token-positions computed")
+    ax.set_title("Work to write n tokens: n(n+1)/2 against n")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def plot_step_times(recompute, cached, labels=("recompute", "cache")):
+    """Per-step latency against position for two :class:`~kvlessons.generate.Generation` runs (ms)."""
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for gen, label in zip((recompute, cached), labels):
+        prompt_len = gen.tokens.shape[1] - gen.new_tokens.shape[1]
+        # Step i (i >= 1) produces the token at position prompt_len + i; skip step 0 (prefill).
+        positions = [prompt_len + i for i in range(1, len(gen.step_times))]
+        ax.plot(positions, [t * 1e3 for t in gen.step_times[1:]], ".", ms=3, label=label)
+    ax.set_xlabel("position of the token being produced")
+    ax.set_ylabel("ms per decode step")
+    ax.set_title("Decode latency: recompute grows, the cache stays flat")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def plot_mask(mask, title: str = "", ax=None):
+    """Draw a bool attention mask (queries down, keys across); True cells filled."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(0.45 * mask.shape[1] + 1, 0.45 * mask.shape[0] + 1))
+    m = mask.detach().cpu().int().numpy()
+    ax.imshow(m, cmap="Blues", vmin=0, vmax=1.4)
+    q_len, kv_len = m.shape
+    ax.set_xticks(range(kv_len))
+    ax.set_yticks(range(q_len), labels=[str(kv_len - q_len + i) for i in range(q_len)])
+    ax.set_xlabel("key position")
+    ax.set_ylabel("query position")
+    ax.set_title(title)
+    return ax

@@ -1,0 +1,70 @@
+"""The cache-relevant shape of a decoder, validated once, used everywhere."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def require_positive_int(name: str, value, *, allow_zero: bool = False) -> int:
+    """Return ``value`` if it is an int > 0 (or >= 0); else raise ValueError naming ``name``."""
+    # bool is an int subclass; True as a head count is always a mistake.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        rule = "non-negative" if allow_zero else "positive"
+        raise ValueError(f"{name} must be {rule}, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a decoder's KV cache depends on.
+
+    layers:      decoder layers, each with its own attention.
+    q_heads:     query heads per layer.
+    kv_heads:    key/value heads per layer; q_heads must be a multiple of it
+                 (q_heads == kv_heads is MHA, kv_heads == 1 is MQA, between is GQA).
+    head_dim:    width of one head. Not always hidden_size / q_heads (Gemma-2 is not).
+    hidden_size: width of the residual stream; defaults to q_heads * head_dim.
+    windows:     per-layer sliding window in tokens, ``None`` for full attention.
+                 Empty means every layer attends to the full context.
+    """
+
+    layers: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    hidden_size: int | None = None
+    windows: tuple[int | None, ...] = field(default=())
+
+    def __post_init__(self):
+        for name in ("layers", "q_heads", "kv_heads", "head_dim"):
+            require_positive_int(name, getattr(self, name))
+        if self.q_heads % self.kv_heads:
+            raise ValueError(
+                f"q_heads must be a multiple of kv_heads (each KV head serves a whole group "
+                f"of query heads), got q_heads={self.q_heads}, kv_heads={self.kv_heads}"
+            )
+        if self.hidden_size is None:
+            object.__setattr__(self, "hidden_size", self.q_heads * self.head_dim)
+        require_positive_int("hidden_size", self.hidden_size)
+        windows = tuple(self.windows)
+        if windows and len(windows) != self.layers:
+            raise ValueError(
+                f"windows must give one entry per layer ({self.layers}), got {len(windows)}"
+            )
+        for i, w in enumerate(windows):
+            if w is not None:
+                require_positive_int(f"windows[{i}]", w)
+        object.__setattr__(self, "windows", windows)
+
+    @property
+    def group_size(self) -> int:
+        """Query heads that read each KV head (1 for MHA, q_heads for MQA)."""
+        return self.q_heads // self.kv_heads
+
+    def window(self, layer: int) -> int | None:
+        """Sliding window of ``layer`` in tokens, or None for full attention."""
+        if not 0 <= layer < self.layers:
+            raise ValueError(f"layer must be in [0, {self.layers}), got {layer}")
+        return self.windows[layer] if self.windows else None

@@ -1,0 +1,162 @@
+import pytest
+import torch
+
+from conftest import HEAD_LAYOUTS, random_ids, small_model
+from kvlessons.cache import ConcatCache, StaticCache
+from kvlessons.generate import generate
+
+CHUNKINGS = {
+    "whole": [23],
+    "uneven": [7, 1, 12, 3],
+    "one-by-one": [1] * 23,
+    "prefill-then-decode": [10] + [1] * 13,
+    "two-turns": [5, 11, 1, 1, 5],
+}
+
+
+@pytest.mark.parametrize("layout", sorted(HEAD_LAYOUTS))
+@pytest.mark.parametrize("chunking", sorted(CHUNKINGS))
+def test_cached_equals_uncached(make_cache, layout, chunking, dev):
+    """Feeding a sequence in chunks through a cache gives the logits of one uncached pass."""
+    model = small_model(*HEAD_LAYOUTS[layout], dev=dev)
+    ids = random_ids(2, 23, dev=dev)
+    with torch.inference_mode():
+        reference = model(ids)  # (B, T, vocab), no cache: positions 0..T-1 in one pass
+        cache = make_cache(23)
+        pieces, start = [], 0
+        for size in CHUNKINGS[chunking]:
+            pieces.append(model(ids[:, start : start + size], cache=cache))
+            start += size
+    assert cache.seq_len == 23
+    torch.testing.assert_close(torch.cat(pieces, dim=1), reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", sorted(HEAD_LAYOUTS))
+def test_cached_generation_equals_recompute(make_cache, layout, dev):
+    """Greedy generation with a cache picks the same tokens from the same logits as recomputing."""
+    model = small_model(*HEAD_LAYOUTS[layout], dev=dev)
+    prompt = random_ids(2, 6, seed=3, dev=dev)
+    slow = generate(model, prompt, 20)
+    fast = generate(model, prompt, 20, cache=make_cache(26))
+    assert torch.equal(slow.tokens, fast.tokens)
+    torch.testing.assert_close(fast.logits, slow.logits, atol=1e-5, rtol=1e-5)
+
+
+def test_generate_twice_after_reset(make_cache, dev):
+    """reset() empties the cache: a second generation gives the same tokens and logits as the first."""
+    model = small_model(dev=dev)
+    prompt = random_ids(1, 5, dev=dev)
+    cache = make_cache(30)
+    first = generate(model, prompt, 12, cache=cache)
+    assert cache.seq_len == 5 + 12 - 1
+    cache.reset()
+    assert cache.seq_len == 0
+    second = generate(model, prompt, 12, cache=cache)
+    assert torch.equal(first.tokens, second.tokens)
+    torch.testing.assert_close(first.logits, second.logits)
+
+
+def test_forgetting_reset_changes_the_output(make_cache, dev):
+    """Without reset() the second prompt is read as a continuation, so its logits differ (the stale-cache bug)."""
+    model = small_model(dev=dev)
+    prompt = random_ids(1, 5, dev=dev)
+    cache = make_cache(40)
+    first = generate(model, prompt, 6, cache=cache)
+    stale = generate(model, prompt, 6, cache=cache)
+    assert not torch.allclose(first.logits, stale.logits)
+
+
+def test_crop_then_edit_equals_uncached(make_cache, dev):
+    """Cropping to before an edited token and re-feeding the rest matches an uncached pass over the edited text."""
+    model = small_model(dev=dev)
+    ids = random_ids(1, 12, dev=dev)
+    edited = ids.clone()
+    edited[0, 8] = (edited[0, 8] + 1) % 50
+    with torch.inference_mode():
+        cache = make_cache(12)
+        model(ids, cache=cache)
+        cache.crop(8)
+        tail = model(edited[:, 8:], cache=cache)
+        torch.testing.assert_close(tail, model(edited)[:, 8:], atol=1e-5, rtol=1e-5)
+
+
+def test_full_static_cache_refuses_and_is_unchanged(dev):
+    """Appending past max_len raises ValueError before any layer is written; the cache still works after."""
+    model = small_model(dev=dev)
+    ids = random_ids(1, 10, dev=dev)
+    cache = StaticCache(max_len=9)
+    with torch.inference_mode():
+        model(ids[:, :7], cache=cache)
+        before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers()]
+        nbytes = cache.nbytes()
+        with pytest.raises(ValueError, match="full"):
+            model(ids[:, 7:10], cache=cache)  # 7 + 3 > 9
+        assert cache.seq_len == 7
+        assert cache.nbytes() == nbytes
+        for layer, (k, v) in zip(cache.layers(), before):
+            assert layer.seq_len == 7
+            assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+        # Still consistent: two more tokens fit and match the uncached reference.
+        out = model(ids[:, 7:9], cache=cache)
+        torch.testing.assert_close(out, model(ids[:, :9])[:, 7:], atol=1e-5, rtol=1e-5)
+
+
+def test_static_layer_refuses_on_its_own():
+    """A StaticLayer used directly (not through the model) also refuses, unchanged."""
+    layer = StaticCache(4).layer(0)
+    k = torch.ones(1, 2, 3, 8)
+    layer.update(k, k)
+    with pytest.raises(ValueError, match="max_len=4"):
+        layer.update(k, k)
+    assert layer.seq_len == 3
+
+
+def test_nbytes_counts_what_is_stored(dev):
+    """ConcatCache holds 2 * layers * kv_heads * head_dim * tokens * batch * 4 bytes; StaticCache holds max_len."""
+    model = small_model(q_heads=4, kv_heads=2, dev=dev)
+    ids = random_ids(3, 11, dev=dev)
+    concat, static = ConcatCache(), StaticCache(16)
+    assert concat.nbytes() == 0 and static.nbytes() == 0
+    with torch.inference_mode():
+        model(ids, cache=concat)
+        model(ids, cache=static)
+    per_token = 2 * 2 * 2 * 8 * 4  # K and V, 2 layers, 2 KV heads, head_dim 8, float32
+    assert concat.nbytes() == per_token * 11 * 3
+    assert static.nbytes() == per_token * 16 * 3
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5])
+def test_static_cache_rejects_bad_max_len(bad):
+    """max_len must be a positive integer."""
+    with pytest.raises(ValueError, match="max_len"):
+        StaticCache(bad)
+
+
+def test_update_rejects_mismatched_shapes(make_cache):
+    """K and V of different shapes, or a changed head count, raise ValueError."""
+    layer = make_cache(10).layer(0)
+    with pytest.raises(ValueError, match="same shape"):
+        layer.update(torch.ones(1, 2, 1, 8), torch.ones(1, 2, 1, 4))
+    layer.update(torch.ones(1, 2, 1, 8), torch.ones(1, 2, 1, 8))
+    with pytest.raises(ValueError, match="does not match"):
+        layer.update(torch.ones(1, 3, 1, 8), torch.ones(1, 3, 1, 8))
+    assert layer.seq_len == 1
+
+
+def test_crop_rejects_bad_lengths(make_cache):
+    """crop to more than is held, or to a negative length, is an error."""
+    cache = make_cache(10)
+    cache.layer(0).update(torch.ones(1, 1, 3, 2), torch.ones(1, 1, 3, 2))
+    cache.advance(3)
+    with pytest.raises(ValueError, match="length"):
+        cache.crop(4)
+    with pytest.raises(ValueError, match="length"):
+        cache.crop(-1)
+    cache.crop(0)
+    assert cache.seq_len == 0 and cache.layer(0).seq_len == 0
+
+
+def test_layer_index_must_be_non_negative():
+    """cache.layer(-1) is a mistake, not Python's negative indexing."""
+    with pytest.raises(ValueError, match="index"):
+        ConcatCache().layer(-1)
