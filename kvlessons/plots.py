@@ -46,6 +46,11 @@ def plot_mask(mask, title: str = "", ax=None):
     q_len, kv_len = m.shape
     ax.set_xticks(range(kv_len))
     ax.set_yticks(range(q_len), labels=[str(kv_len - q_len + i) for i in range(q_len)])
+    # thin white lines between cells so each query/key pair reads as one square
+    ax.set_xticks([x - 0.5 for x in range(1, kv_len)], minor=True)
+    ax.set_yticks([y - 0.5 for y in range(1, q_len)], minor=True)
+    ax.grid(which="minor", color="white", linewidth=1.5)
+    ax.tick_params(which="minor", length=0)
     ax.set_xlabel("key position")
     ax.set_ylabel("query position")
     ax.set_title(title)
