@@ -27,6 +27,12 @@ def _check_kv(k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
 
 
+def _check_crop(length: int, held: int) -> None:
+    require_positive_int("length", length, allow_zero=True)
+    if length > held:
+        raise ValueError(f"length must be <= seq_len ({held}), got {length}")
+
+
 def _check_capacity(max_len: int, held: int, new_tokens: int) -> None:
     if held + new_tokens > max_len:
         raise ValueError(
@@ -69,10 +75,6 @@ class LayerCache:
         """Keep only the first ``length`` tokens (to rewind after an edit)."""
         raise NotImplementedError
 
-    def _check_crop(self, length: int) -> None:
-        require_positive_int("length", length, allow_zero=True)
-        if length > self.seq_len:
-            raise ValueError(f"length must be <= seq_len ({self.seq_len}), got {length}")
 
 
 class ConcatLayer(LayerCache):
@@ -116,7 +118,7 @@ class ConcatLayer(LayerCache):
         self.seq_len = 0
 
     def crop(self, length):
-        self._check_crop(length)
+        _check_crop(length, self.seq_len)
         if length == 0:
             self.reset()
             return
@@ -181,7 +183,7 @@ class StaticLayer(LayerCache):
         self.seq_len = 0
 
     def crop(self, length):
-        self._check_crop(length)
+        _check_crop(length, self.seq_len)
         if self._k is not None:
             self._k[:, :, length:].zero_()
             self._v[:, :, length:].zero_()
@@ -237,9 +239,7 @@ class KVCache:
 
     def crop(self, length: int) -> None:
         """Keep only the first ``length`` positions, e.g. before re-running an edited suffix."""
-        require_positive_int("length", length, allow_zero=True)
-        if length > self.seq_len:
-            raise ValueError(f"length must be <= seq_len ({self.seq_len}), got {length}")
+        _check_crop(length, self.seq_len)
         for layer in self.layers():
             layer.crop(length)
         self.seq_len = length

@@ -142,7 +142,10 @@ class TraceStep:
 
 @torch.inference_mode()
 def trace_generation(model, prompt_ids: torch.Tensor, max_new_tokens: int, cache: KVCache, top_k: int = 3) -> list[TraceStep]:
-    """Run a cached greedy generation of one sequence and record the cache after every step."""
+    """Run a cached greedy generation of one sequence and record the cache after every step.
+
+    ``cache`` is reset first, so the trace always starts from an empty cache.
+    """
     _check_prompt(prompt_ids)
     if prompt_ids.shape[0] != 1:
         raise ValueError("trace_generation follows one sequence: prompt_ids must have batch size 1")

@@ -21,6 +21,10 @@ _GENERATED = "background:#d1f0d6;border:1px solid #5cae6b;"
 _NEXT = "background:#fff;border:1px dashed #999;color:#555;"
 
 
+def _label(text: str) -> str:
+    return f'<span style="display:inline-block;width:6em;font-family:monospace">{html.escape(text)}</span>'
+
+
 def redraw(output, render) -> None:
     """Replace what ``output`` shows with what ``render()`` displays; close replaced figures."""
     with output:
@@ -40,6 +44,11 @@ def cache_step_html(trace: list[TraceStep], step: int, tokenizer, layers: int, p
 
     context = "".join(box(t, _PROMPT if i < prompt_len else _GENERATED) for i, t in enumerate(s.tokens))
     context += box(s.next_token, _NEXT)
+    legend = (
+        f'<span style="{_BOX}{_PROMPT}">prompt</span> read in one pass (prefill) '
+        f'<span style="{_BOX}{_GENERATED}">generated</span> one per decode step '
+        f'<span style="{_BOX}{_NEXT}">next</span> chosen now, cached on the next step'
+    )
     rows = []
     for layer in range(layers):
         for kind in ("K", "V"):
@@ -47,7 +56,7 @@ def cache_step_html(trace: list[TraceStep], step: int, tokenizer, layers: int, p
                 f'<span data-kind="{kind}" style="{_BOX}{_PROMPT if i < prompt_len else _GENERATED}">{kind}</span>'
                 for i in range(s.cached_tokens)
             )
-            rows.append(f'<div><span style="display:inline-block;width:5.5em;font-family:monospace">layer {layer} {kind}</span>{cells}</div>')
+            rows.append(f"<div>{_label(f'layer {layer} {kind}')}{cells}</div>")
     odds = ", ".join(
         f"{html.escape(repr(tokenizer.decode([t])))} {p:.0%}" for t, p in zip(s.top_tokens, s.top_probs)
     )
@@ -55,10 +64,11 @@ def cache_step_html(trace: list[TraceStep], step: int, tokenizer, layers: int, p
     return (
         f"<div><b>Step {step}</b>, {phase}: {s.cached_tokens} tokens cached, "
         f"cache = {format_bytes(s.cache_bytes)} ({s.cache_bytes:,} bytes)</div>"
-        f"<div style='margin:6px 0'>context: {context}</div>"
+        f"<div style='margin:6px 0'>{_label('context')}{context}</div>"
         f"<div>{''.join(rows)}</div>"
         f"<div style='margin-top:6px'>next token (greedy): {html.escape(repr(tokenizer.decode([s.next_token])))}; "
         f"most likely: {odds}</div>"
+        f"<div style='margin-top:6px;font-size:85%;color:#444'>{legend}</div>"
     )
 
 
