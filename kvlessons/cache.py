@@ -1,4 +1,4 @@
-"""The KV cache interface and its two basic variants.
+"""The KV cache interface and its basic variants.
 
 A cache is a container of per-layer objects plus one position counter:
 
@@ -9,8 +9,11 @@ A cache is a container of per-layer objects plus one position counter:
     cache.reset(), cache.crop(n), cache.nbytes()
 
 Keys arrive already rotated (RoPE is applied before caching), shaped (B, H_kv, T, D).
-Variants differ only in how a layer stores them. Later lessons add sliding-window,
-cross-layer, FP4 and paged variants on the same interface.
+Variants differ only in how a layer stores them: ``ConcatCache`` grows by ``torch.cat``,
+``StaticCache`` preallocates and writes in place, and in either one a layer with a
+sliding window (``cache.layer(i, window=W)``) is a :class:`SlidingWindowLayer` that keeps
+only the newest W positions. Later lessons add cross-layer, FP4 and paged variants on
+the same interface.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ def _check_capacity(max_len: int, held: int, new_tokens: int) -> None:
 
 class LayerCache:
     """One layer's stored keys and values. Subclasses decide how they are stored."""
+
+    window: int | None = None  # sliding window in tokens; None keeps every position
 
     def __init__(self):
         self.seq_len = 0  # tokens appended to this layer; an explicit counter, never read off the data
@@ -122,7 +127,8 @@ class ConcatLayer(LayerCache):
         if length == 0:
             self.reset()
             return
-        self._k, self._v = self._k[:, :, :length], self._v[:, :, :length]
+        # clone: a slice would keep the whole old tensor alive behind a smaller view
+        self._k, self._v = self._k[:, :, :length].clone(), self._v[:, :, :length].clone()
         self.seq_len = length
 
 
@@ -190,6 +196,111 @@ class StaticLayer(LayerCache):
         self.seq_len = length
 
 
+class SlidingWindowLayer(LayerCache):
+    """Keeps only the newest ``window`` positions, in a ring: position p lives in slot p % window.
+
+    ``update`` returns the held positions followed by the new ones (T new queries need up
+    to window - 1 earlier keys each); the attention mask applies the window. With
+    ``preallocate`` the ring is allocated full-size on the first write (a static cache);
+    otherwise it grows with the sequence until it reaches the window, then wraps in place.
+    """
+
+    def __init__(self, window: int, preallocate: bool = False, max_len: int | None = None):
+        super().__init__()
+        self.window = require_positive_int("window", window)
+        self.preallocate = preallocate
+        # A static cache never holds more than max_len positions, so never needs more slots.
+        self._slots = window if max_len is None else min(window, require_positive_int("max_len", max_len))
+        self._first = 0  # oldest position still held; an explicit counter like seq_len
+        self._k: torch.Tensor | None = None  # (B, H_kv, slots, D)
+        self._v: torch.Tensor | None = None
+
+    @property
+    def held(self) -> int:
+        """Positions currently stored (the window once it has filled)."""
+        return self.seq_len - self._first
+
+    def _ordered(self, buf: torch.Tensor | None) -> torch.Tensor | None:
+        if buf is None or self.held == 0:
+            return None
+        if self.seq_len <= self.window:  # not wrapped: slot = position
+            return buf[:, :, self._first : self.seq_len]
+        slots = torch.arange(self._first, self.seq_len, device=buf.device) % self.window
+        return buf.index_select(2, slots)
+
+    @property
+    def keys(self):
+        return self._ordered(self._k)
+
+    @property
+    def values(self):
+        return self._ordered(self._v)
+
+    def _write(self, first_position: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store positions first_position .. first_position + T - 1 (the newest window of them)."""
+        end = first_position + k.shape[2]
+        b, h, _, d = k.shape
+        want = self._slots if self.preallocate else min(end, self._slots)
+        have = 0 if self._k is None else self._k.shape[2]
+        if want > have:
+            with torch.inference_mode(False):  # a normal tensor, writable outside inference mode too
+                grown_k = torch.zeros(b, h, want, d, dtype=k.dtype, device=k.device)
+                grown_v = torch.zeros(b, h, want, d, dtype=v.dtype, device=v.device)
+            if have:
+                grown_k[:, :, :have] = self._k
+                grown_v[:, :, :have] = self._v
+            self._k, self._v = grown_k, grown_v
+        keep = min(k.shape[2], self.window)
+        slots = torch.arange(end - keep, end, device=k.device) % self.window
+        with torch.no_grad():
+            self._k.index_copy_(2, slots, k[:, :, -keep:])
+            self._v.index_copy_(2, slots, v[:, :, -keep:])
+        self._first = max(self._first, end - self.window)
+
+    def update(self, k, v):
+        _check_kv(k, v)
+        old_k, old_v = self.keys, self.values
+        if old_k is not None and (k.shape[:2] != old_k.shape[:2] or k.shape[3] != old_k.shape[3]):
+            raise ValueError(
+                f"new k {tuple(k.shape)} does not match the cached (batch, kv_heads, _, head_dim) "
+                f"{tuple(old_k.shape)}"
+            )
+        k_all = k if old_k is None else torch.cat([old_k, k], dim=2)
+        v_all = v if old_v is None else torch.cat([old_v, v], dim=2)
+        self._write(self.seq_len, k, v)
+        self.seq_len += k.shape[2]
+        return k_all, v_all
+
+    def nbytes(self):
+        if self._k is None:
+            return 0
+        return self._k.nbytes + self._v.nbytes
+
+    def reset(self):
+        if self.preallocate and self._k is not None:
+            self._k.zero_()
+            self._v.zero_()
+        else:
+            self._k = self._v = None
+        self.seq_len = self._first = 0
+
+    def crop(self, length):
+        _check_crop(length, self.seq_len)
+        needed = max(0, length - self.window + 1)  # oldest key the query at `length` can see
+        if self._first > needed:
+            raise ValueError(
+                f"cannot crop a sliding-window layer to length {length}: the next query needs position "
+                f"{needed}, but positions before {self._first} were already dropped"
+            )
+        keep_from = max(self._first, length - self.window)
+        k = self.keys[:, :, keep_from - self._first : length - self._first].clone()
+        v = self.values[:, :, keep_from - self._first : length - self._first].clone()
+        self.reset()
+        if length:
+            self._write(keep_from, k, v)
+        self._first, self.seq_len = keep_from, length
+
+
 class KVCache:
     """Per-layer caches, created on first use, and the one position counter ``seq_len``."""
 
@@ -197,16 +308,25 @@ class KVCache:
         self._layers: dict[int, LayerCache] = {}
         self.seq_len = 0  # positions processed; the next token's position
 
-    def new_layer(self) -> LayerCache:
-        """Return a fresh, empty layer object of this cache's kind."""
+    def new_layer(self, window: int | None = None) -> LayerCache:
+        """Return a fresh, empty layer object of this cache's kind (sliding if ``window`` is set)."""
         raise NotImplementedError
 
-    def layer(self, index: int) -> LayerCache:
-        """Return the object layer ``index`` reads and writes."""
+    def layer(self, index: int, window: int | None = None) -> LayerCache:
+        """Return the object layer ``index`` reads and writes, created on first use.
+
+        ``window`` is the layer's sliding window (None: full attention); asking again
+        with a different window is an error, since the stored layer could not serve it.
+        """
         require_positive_int("index", index, allow_zero=True)
+        if window is not None:
+            require_positive_int("window", window)
         if index not in self._layers:
-            self._layers[index] = self.new_layer()
-        return self._layers[index]
+            self._layers[index] = self.new_layer(window)
+        layer = self._layers[index]
+        if layer.window != window:
+            raise ValueError(f"layer {index} was created with window={layer.window}, asked for window={window}")
+        return layer
 
     def layers(self) -> list[LayerCache]:
         """Distinct layer objects created so far, in layer order."""
@@ -251,8 +371,8 @@ class KVCache:
 class ConcatCache(KVCache):
     """Grows with ``torch.cat``, as textbook code does. Unbounded; every append copies."""
 
-    def new_layer(self):
-        return ConcatLayer()
+    def new_layer(self, window=None):
+        return ConcatLayer() if window is None else SlidingWindowLayer(window)
 
 
 class StaticCache(KVCache):
@@ -262,8 +382,10 @@ class StaticCache(KVCache):
         super().__init__()
         self.max_len = require_positive_int("max_len", max_len)
 
-    def new_layer(self):
-        return StaticLayer(self.max_len)
+    def new_layer(self, window=None):
+        if window is None:
+            return StaticLayer(self.max_len)
+        return SlidingWindowLayer(window, preallocate=True, max_len=self.max_len)
 
     def check_room(self, new_tokens):
         super().check_room(new_tokens)

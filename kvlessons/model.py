@@ -35,6 +35,7 @@ class TinyConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     seed: int = 2
+    windows: tuple[int | None, ...] = ()  # per-layer sliding window (None: full attention)
 
     def __post_init__(self):
         self.shape  # validates layers, heads and head_dim with ModelShape's rules
@@ -52,6 +53,7 @@ class TinyConfig:
             kv_heads=self.kv_heads,
             head_dim=self.head_dim,
             hidden_size=self.hidden_size,
+            windows=self.windows,
         )
 
 
@@ -71,10 +73,11 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Grouped-query self-attention that reads and writes one layer of a cache."""
 
-    def __init__(self, config: TinyConfig):
+    def __init__(self, config: TinyConfig, window: int | None = None):
         super().__init__()
         c = config
         self.q_heads, self.kv_heads, self.head_dim = c.q_heads, c.kv_heads, c.head_dim
+        self.window = window  # sliding window in tokens, or None for full attention
         self.q_proj = nn.Linear(c.hidden_size, c.q_heads * c.head_dim, bias=False)
         self.k_proj = nn.Linear(c.hidden_size, c.kv_heads * c.head_dim, bias=False)
         self.v_proj = nn.Linear(c.hidden_size, c.kv_heads * c.head_dim, bias=False)
@@ -87,7 +90,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # rotate before caching
         k_all, v_all = layer_cache.update(k, v)  # (B, H_kv, S, D), S = cached + T
-        out = attend(q, k_all, v_all)  # bottom-right causal mask when T > 1
+        out = attend(q, k_all, v_all, window=self.window)  # bottom-right causal mask when T > 1
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -105,10 +108,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: TinyConfig):
+    def __init__(self, config: TinyConfig, window: int | None = None):
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.attn = Attention(config)
+        self.attn = Attention(config, window)
         self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = MLP(config)
 
@@ -131,7 +134,8 @@ class TinyDecoder(nn.Module):
 
     def _build(self, config: TinyConfig) -> None:
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.layers))
+        shape = config.shape
+        self.blocks = nn.ModuleList(Block(config, shape.window(i)) for i in range(config.layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -174,7 +178,7 @@ class TinyDecoder(nn.Module):
         cos, sin = cos.to(self.embed.weight.dtype), sin.to(self.embed.weight.dtype)
         x = self.embed(ids)
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, cache.layer(i))
+            x = block(x, cos, sin, cache.layer(i, window=block.attn.window))
         cache.advance(t)  # once per forward pass, never once per layer
         return self.lm_head(self.norm(x))
 

@@ -55,3 +55,38 @@ def plot_mask(mask, title: str = "", ax=None):
     ax.set_ylabel("query position")
     ax.set_title(title)
     return ax
+
+
+def _context_axis(ax, lengths):
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths, labels=[f"{n // 1024}K" if n >= 1024 else str(n) for n in lengths])
+    ax.set_xlabel("context length (tokens)")
+    ax.grid(alpha=0.3, which="both")
+
+
+def plot_cache_vs_context(curves: dict, lengths, title="KV cache of one sequence (bf16)"):
+    """Cache GiB against context for each model: ``curves`` maps name -> bytes at each length."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, sizes in curves.items():
+        ax.plot(lengths, [b / 2**30 for b in sizes], "o-", ms=3, label=name)
+    _context_axis(ax, lengths)
+    ax.set_yscale("log", base=2)
+    ax.set_ylabel("GiB (log scale)")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_concurrency_vs_context(curves: dict, lengths, budget_label: str):
+    """Concurrent sequences that fit against context: ``curves`` maps name -> count at each length."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, counts in curves.items():
+        ax.plot(lengths, counts, "o-", ms=3, label=name)
+    _context_axis(ax, lengths)
+    ax.set_yscale("symlog", base=2, linthresh=1)
+    ax.set_ylabel("sequences that fit (log scale)")
+    ax.set_title(f"Long context changes the concurrency math ({budget_label} of cache)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

@@ -28,6 +28,12 @@ class ModelShape:
     hidden_size: width of the residual stream; defaults to q_heads * head_dim.
     windows:     per-layer sliding window in tokens, ``None`` for full attention.
                  Empty means every layer attends to the full context.
+    kv_owners:   per-layer index of the layer whose cache it reads. A layer that owns
+                 its cache maps to itself; cross-layer sharing (CLA, YOCO) maps several
+                 layers to one owner, and only owners store anything. Empty: every layer
+                 owns its own.
+    latent_dim:  width of a latent cache (MLA): each owning layer stores one vector of
+                 this width per token instead of K and V per KV head.
     """
 
     layers: int
@@ -36,6 +42,8 @@ class ModelShape:
     head_dim: int
     hidden_size: int | None = None
     windows: tuple[int | None, ...] = field(default=())
+    kv_owners: tuple[int, ...] = field(default=())
+    latent_dim: int | None = None
 
     def __post_init__(self):
         for name in ("layers", "q_heads", "kv_heads", "head_dim"):
@@ -57,6 +65,30 @@ class ModelShape:
             if w is not None:
                 require_positive_int(f"windows[{i}]", w)
         object.__setattr__(self, "windows", windows)
+        owners = tuple(self.kv_owners)
+        if owners and len(owners) != self.layers:
+            raise ValueError(
+                f"kv_owners must give one entry per layer ({self.layers}), got {len(owners)}"
+            )
+        for i, owner in enumerate(owners):
+            require_positive_int(f"kv_owners[{i}]", owner, allow_zero=True)
+            if owner > i:
+                raise ValueError(
+                    f"kv_owners[{i}] must be <= {i}: a layer can only read a cache written by "
+                    f"itself or an earlier layer, got {owner}"
+                )
+            if owners[owner] != owner:
+                raise ValueError(
+                    f"kv_owners[{i}] = {owner}, but layer {owner} reads layer {owners[owner]}'s cache: "
+                    f"an owner must own its own cache"
+                )
+            if windows and windows[i] != windows[owner]:
+                raise ValueError(
+                    f"windows[{i}] must equal windows[{owner}]: layer {i} reads layer {owner}'s cache"
+                )
+        object.__setattr__(self, "kv_owners", owners)
+        if self.latent_dim is not None:
+            require_positive_int("latent_dim", self.latent_dim)
 
     @property
     def group_size(self) -> int:
@@ -68,3 +100,28 @@ class ModelShape:
         if not 0 <= layer < self.layers:
             raise ValueError(f"layer must be in [0, {self.layers}), got {layer}")
         return self.windows[layer] if self.windows else None
+
+    def owner(self, layer: int) -> int:
+        """Index of the layer whose cache ``layer`` reads (itself unless caches are shared)."""
+        self.window(layer)  # validates the index
+        return self.kv_owners[layer] if self.kv_owners else layer
+
+    @property
+    def cache_layers(self) -> list[int]:
+        """Layers that store a cache of their own, in order."""
+        return [i for i in range(self.layers) if self.owner(i) == i]
+
+
+def alternating_windows(layers: int, window: int, local_first: bool = True) -> tuple[int | None, ...]:
+    """Per-layer windows alternating local (``window``) and global (None), as Gemma-2 does."""
+    require_positive_int("layers", layers)
+    require_positive_int("window", window)
+    first = 0 if local_first else 1
+    return tuple(window if i % 2 == first else None for i in range(layers))
+
+
+def cross_layer_owners(layers: int, factor: int) -> tuple[int, ...]:
+    """kv_owners for cross-layer attention (CLA): each group of ``factor`` adjacent layers shares the first's cache."""
+    require_positive_int("layers", layers)
+    require_positive_int("factor", factor)
+    return tuple(i - i % factor for i in range(layers))

@@ -1,19 +1,19 @@
 """Interactive views for the lessons. They display what other modules computed.
 
-Every widget follows one pattern: a pure ``*_html`` / figure function renders one
-state (so the lesson reads, and CI checks it, without a browser), and the widget
-re-renders that function into one ``Output`` on every change via :func:`redraw`.
+Every widget follows one pattern: a pure ``*_html`` function renders one state (so the
+lesson reads, and CI checks it, without a browser), and the widget writes that HTML
+into one ``ipywidgets.HTML`` view on every change. The view's ``value`` is the
+displayed result, which unit tests read after moving a slider.
 """
 
 from __future__ import annotations
 
 import html
 
-import matplotlib.pyplot as plt
-from IPython.display import HTML, clear_output, display
+from IPython.display import HTML, display
 
 from .generate import TraceStep
-from .memory import format_bytes
+from .memory import DTYPES, PRESETS, Estimate, estimate, format_bytes, kv_cache_bytes
 
 _BOX = "display:inline-block;min-width:1.6em;padding:2px 4px;margin:1px;border-radius:3px;text-align:center;font-family:monospace;"
 _PROMPT = "background:#cfe2ff;border:1px solid #6c9bd2;"
@@ -23,14 +23,6 @@ _NEXT = "background:#fff;border:1px dashed #999;color:#555;"
 
 def _label(text: str) -> str:
     return f'<span style="display:inline-block;width:6em;font-family:monospace">{html.escape(text)}</span>'
-
-
-def redraw(output, render) -> None:
-    """Replace what ``output`` shows with what ``render()`` displays; close replaced figures."""
-    with output:
-        clear_output(wait=True)
-        plt.close("all")
-        render()
 
 
 def cache_step_html(trace: list[TraceStep], step: int, tokenizer, layers: int, prompt_len: int) -> str:
@@ -90,11 +82,124 @@ def cache_growth_widget(trace, tokenizer, layers: int, prompt_len: int, interval
     play = w.Play(value=0, min=0, max=len(trace) - 1, step=1, interval=interval_ms, description="play")
     slider = w.IntSlider(value=0, min=0, max=len(trace) - 1, description="step")
     w.jslink((play, "value"), (slider, "value"))
-    out = w.Output()
+    view = w.HTML()
 
     def render(change=None):
-        redraw(out, lambda: show_cache_step(trace, slider.value, tokenizer, layers, prompt_len))
+        view.value = cache_step_html(trace, slider.value, tokenizer, layers, prompt_len)
 
     slider.observe(render, names="value")
     render()
-    return w.VBox([w.HBox([play, slider]), out])
+    box = w.VBox([w.HBox([play, slider]), view])
+    box.slider, box.view = slider, view  # handles for tests
+    return box
+
+
+# --- the memory estimator (lesson 02) ----------------------------------------------------------
+
+ESTIMATOR_RANGES = {
+    "layers": (8, 96, 1),
+    "kv_heads": (1, 64, 1),
+    "head_dim": (32, 256, 32),  # multiples of 32: whole scale groups for every 4-bit format
+    "seq_len": (512, 65536, 512),
+    "batch": (1, 64, 1),
+}
+ESTIMATOR_DEFAULTS = {"layers": 32, "kv_heads": 8, "head_dim": 128, "seq_len": 4096, "batch": 8, "dtype": "bf16"}
+
+
+def estimate_html(est: Estimate, preset_name: str | None = None) -> str:
+    """HTML for one estimate: the total, the per-token/per-layer/per-sequence breakdown, the formula.
+
+    With ``preset_name`` whose shape has windows or a latent cache, the preset's exact
+    figure is shown too, since the uniform formula overstates it.
+    """
+    rows = [
+        ("Per token, per layer", est.per_token_per_layer),
+        ("Per token, all layers", est.per_token),
+        ("One full sequence", est.per_sequence),
+    ]
+    cells = "".join(
+        f"<tr><td style='padding:2px 12px 2px 0'>{label}</td><td style='text-align:right'><b>{format_bytes(v)}</b></td></tr>"
+        for label, v in rows
+    )
+    extra = ""
+    if preset_name is not None:
+        p = PRESETS[preset_name]
+        exact = kv_cache_bytes(p.shape, est.seq_len, est.batch, est.dtype)
+        if exact != est.total:
+            extra = (
+                f"<div style='margin-top:6px;color:#7a4b00'>{html.escape(p.name)} exactly: <b>{format_bytes(exact)}</b> "
+                f"({html.escape(p.note)})</div>"
+            )
+    return (
+        f"<div style='font-size:110%'>Estimated KV cache: <b>{format_bytes(est.total)}</b> "
+        f"for {est.batch} sequences of {est.seq_len:,} tokens in {est.dtype}</div>"
+        f"<table style='margin:6px 0'>{cells}</table>"
+        f"<div style='font-family:monospace'>{html.escape(est.formula)}</div>{extra}"
+    )
+
+
+def _preset_slider_values(name: str) -> dict:
+    """Slider values for a preset (clamped into the sliders' ranges)."""
+    s = PRESETS[name].shape
+    values = {"layers": s.layers, "kv_heads": s.kv_heads, "head_dim": s.head_dim}
+    for key, v in values.items():
+        lo, hi, _ = ESTIMATOR_RANGES[key]
+        values[key] = min(max(v, lo), hi)
+    return values
+
+
+def memory_estimator_widget():
+    """Sliders for layers, KV heads, head dim, context and sequences, a precision and a preset selector.
+
+    Every reachable combination is valid (ranges and steps are chosen so), so the
+    widget cannot be driven into an exception. Returns the widget box.
+    """
+    import ipywidgets as w
+
+    sliders = {
+        key: w.IntSlider(value=ESTIMATOR_DEFAULTS[key], min=lo, max=hi, step=step, description=key,
+                         continuous_update=True, style={"description_width": "70px"})
+        for key, (lo, hi, step) in ESTIMATOR_RANGES.items()
+    }
+    dtype = w.Dropdown(options=list(DTYPES), value=ESTIMATOR_DEFAULTS["dtype"], description="precision")
+    presets = w.Dropdown(options=["custom"] + list(PRESETS), value="custom", description="preset")
+    view = w.HTML()
+    state = {"preset": None, "loading": False}
+
+    def current() -> Estimate:
+        return estimate(
+            sliders["layers"].value, sliders["kv_heads"].value, sliders["head_dim"].value,
+            sliders["seq_len"].value, sliders["batch"].value, dtype.value,
+        )
+
+    def render(change=None):
+        if state["loading"]:
+            return
+        est = current()
+        if state["preset"] is not None and _preset_slider_values(state["preset"]) != {
+            k: sliders[k].value for k in ("layers", "kv_heads", "head_dim")
+        }:
+            state["preset"] = None  # a shape slider moved: no longer the preset
+            presets.value = "custom"
+        view.value = estimate_html(est, state["preset"])
+
+    def load_preset(change):
+        if change["new"] == "custom":
+            state["preset"] = None
+            render()
+            return
+        state["loading"] = True
+        for key, v in _preset_slider_values(change["new"]).items():
+            sliders[key].value = v
+        state["loading"] = False
+        state["preset"] = change["new"]
+        render()
+
+    for s in sliders.values():
+        s.observe(render, names="value")
+    dtype.observe(render, names="value")
+    presets.observe(load_preset, names="value")
+    render()
+    box = w.VBox([presets, *sliders.values(), dtype, view])
+    box.sliders, box.dtype, box.presets, box.view = sliders, dtype, presets, view  # handles for tests
+    return box

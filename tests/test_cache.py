@@ -160,3 +160,78 @@ def test_layer_index_must_be_non_negative():
     """cache.layer(-1) is a mistake, not Python's negative indexing."""
     with pytest.raises(ValueError, match="index"):
         ConcatCache().layer(-1)
+
+
+WINDOWS = {"local-global": (4, None), "all-local": (3, 3), "wide-narrow": (7, 2)}
+
+
+@pytest.mark.parametrize("windows", sorted(WINDOWS))
+@pytest.mark.parametrize("chunking", sorted(CHUNKINGS))
+def test_windowed_cached_equals_uncached(make_cache, windows, chunking, dev):
+    """Sliding-window layers give the uncached logits after the window has wrapped, for any chunking."""
+    model = small_model(q_heads=4, kv_heads=2, dev=dev, windows=WINDOWS[windows])
+    ids = random_ids(2, 23, dev=dev)
+    with torch.inference_mode():
+        reference = model(ids)
+        cache, pieces, start = make_cache(23), [], 0
+        for size in CHUNKINGS[chunking]:
+            pieces.append(model(ids[:, start : start + size], cache=cache))
+            start += size
+    torch.testing.assert_close(torch.cat(pieces, dim=1), reference, atol=1e-5, rtol=1e-5)
+
+
+def test_window_changes_the_output(dev):
+    """A window is not a no-op: past the window the logits differ from full attention."""
+    ids = random_ids(1, 12, dev=dev)
+    with torch.inference_mode():
+        full = small_model(dev=dev)(ids)
+        local = small_model(dev=dev, windows=(3, 3))(ids)
+    torch.testing.assert_close(local[:, :3], full[:, :3])  # the first 3 tokens see everything either way
+    assert not torch.allclose(local[:, 3:], full[:, 3:])
+
+
+def test_window_layer_holds_only_the_window():
+    """A growing window layer holds min(seq_len, W) positions; a static one holds min(max_len, W) from the start."""
+    row = 2 * 8 * 4  # kv_heads x head_dim x float32 bytes, for K (same again for V)
+    grow, fixed = ConcatCache().layer(0, window=5), StaticCache(40).layer(0, window=5)
+    for n in range(1, 12):
+        k = torch.full((1, 2, 1, 8), float(n))
+        grow.update(k, k)
+        fixed.update(k, k)
+        assert grow.nbytes() == 2 * row * min(n, 5)
+        assert fixed.nbytes() == 2 * row * 5
+        # held keys are the newest positions, oldest first
+        assert grow.keys[0, 0, :, 0].tolist() == [float(p) for p in range(max(1, n - 4), n + 1)]
+        assert torch.equal(grow.keys, fixed.keys)
+
+
+def test_window_layer_returns_what_new_queries_need():
+    """A T-token append returns the held positions then the T new ones (the mask applies the window)."""
+    layer = ConcatCache().layer(0, window=3)
+    k = torch.arange(10.0).view(1, 1, 10, 1)
+    layer.update(k[:, :, :6], k[:, :, :6])
+    k_all, _ = layer.update(k[:, :, 6:10], k[:, :, 6:10])
+    assert k_all.flatten().tolist() == [3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]
+    assert layer.keys.flatten().tolist() == [7.0, 8.0, 9.0]
+
+
+def test_window_crop_within_and_beyond_what_is_held(make_cache, dev):
+    """Cropping inside the held window rewinds correctly; cropping past dropped positions refuses, unchanged."""
+    model = small_model(dev=dev, windows=(4, 4))
+    ids = random_ids(1, 14, dev=dev)
+    with torch.inference_mode():
+        cache = make_cache(14)
+        model(ids[:, :10], cache=cache)
+        with pytest.raises(ValueError, match="already dropped"):
+            cache.crop(5)  # would need position 1; positions 0..5 are gone
+        assert cache.seq_len == 10 and cache.layer(0, window=4).seq_len == 10
+        cache.crop(9)  # needs positions 5..8, all held
+        tail = model(ids[:, 9:14], cache=cache)
+        torch.testing.assert_close(tail, model(ids)[:, 9:], atol=1e-5, rtol=1e-5)
+
+
+def test_layer_window_mismatch_is_an_error():
+    cache = ConcatCache()
+    cache.layer(0, window=4)
+    with pytest.raises(ValueError, match="window"):
+        cache.layer(0)

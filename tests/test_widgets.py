@@ -1,10 +1,20 @@
+import itertools
+
 import pytest
 
 from conftest import random_ids, small_model
 from kvlessons.cache import ConcatCache
 from kvlessons.generate import trace_generation
+from kvlessons.memory import DTYPES, PRESETS, estimate, format_bytes
 from kvlessons.model import CharTokenizer
-from kvlessons.widgets import cache_growth_widget, cache_step_html, describe_cache_step
+from kvlessons.widgets import (
+    ESTIMATOR_RANGES,
+    cache_growth_widget,
+    cache_step_html,
+    describe_cache_step,
+    estimate_html,
+    memory_estimator_widget,
+)
 
 
 @pytest.fixture
@@ -39,3 +49,56 @@ def test_widget_builds_and_follows_the_slider(trace):
     play, slider = box.children[0].children
     assert (slider.min, slider.max) == (0, 2) and (play.min, play.max) == (0, 2)
     slider.value = 2  # triggers a redraw; must not raise
+
+
+def test_cache_widget_view_follows_the_slider(trace):
+    """Moving the step slider rewrites the view for that step."""
+    box = cache_growth_widget(trace, CharTokenizer(), layers=2, prompt_len=4)
+    assert "<b>Step 0</b>" in box.view.value
+    box.slider.value = 2
+    assert "<b>Step 2</b>" in box.view.value and "6 tokens cached" in box.view.value
+
+
+# --- memory estimator -------------------------------------------------------------------------
+
+def test_estimator_defaults_show_the_seed_example():
+    """Defaults: 32 layers, 8 KV heads, 128 head dim, 4,096 tokens, 8 sequences, bf16 = 4 GiB; 4 KiB, 128 KiB, 512 MiB."""
+    box = memory_estimator_widget()
+    page = box.view.value
+    for text in ("<b>4 GiB</b>", "<b>4 KiB</b>", "<b>128 KiB</b>", "<b>512 MiB</b>", "2 · 32 layers · 8 KV heads · 128 head dim"):
+        assert text in page
+
+
+def test_estimator_updates_when_a_slider_moves():
+    """Doubling the context doubles the displayed total to the value kvlessons.memory computes."""
+    box = memory_estimator_widget()
+    box.sliders["seq_len"].value = 8192
+    assert "<b>8 GiB</b>" in box.view.value
+    box.dtype.value = "nvfp4"
+    assert f"<b>{format_bytes(estimate(32, 8, 128, 8192, 8, 'nvfp4').total)}</b>" in box.view.value
+
+
+def test_estimator_preset_and_its_exact_figure():
+    """A preset loads its shape; where windows make the uniform formula wrong, the exact figure is shown."""
+    box = memory_estimator_widget()
+    box.presets.value = "Gemma-2-9B"
+    assert (box.sliders["layers"].value, box.sliders["kv_heads"].value, box.sliders["head_dim"].value) == (42, 8, 256)
+    box.sliders["seq_len"].value = 16384
+    assert "Gemma-2-9B exactly" in box.view.value
+    box.sliders["layers"].value = 40  # moving a shape slider leaves the preset
+    assert box.presets.value == "custom" and "exactly" not in box.view.value
+
+
+def test_estimator_cannot_be_driven_into_an_exception():
+    """Every extreme slider position, with every precision and preset, renders."""
+    for layers, heads, dim, ctx, batch in itertools.product(*[(lo, hi) for lo, hi, _ in ESTIMATOR_RANGES.values()]):
+        for dtype in DTYPES:
+            for name in [None, *PRESETS]:
+                estimate_html(estimate(layers, heads, dim, ctx, batch, dtype), name)
+    box = memory_estimator_widget()
+    for name in PRESETS:
+        box.presets.value = name
+        for key, (lo, hi, step) in ESTIMATOR_RANGES.items():
+            for v in (lo, hi, lo + step):
+                box.sliders[key].value = v
+        assert "Estimated KV cache" in box.view.value

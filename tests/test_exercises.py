@@ -1,0 +1,64 @@
+import pytest
+
+from kvlessons import exercises
+from kvlessons.memory import SEED_EXAMPLE, kv_cache_bytes
+
+
+def test_32k_right_answer():
+    """16 GiB (and anything within rounding) is accepted."""
+    assert exercises.check_32k_estimate(16).correct
+    assert exercises.check_32k_estimate(16.02).correct
+    assert exercises.KV_32K.answer == kv_cache_bytes(SEED_EXAMPLE, 32768, 4, "fp16") / 2**30 == 16
+
+
+@pytest.mark.parametrize(
+    "wrong, diagnosis",
+    [
+        (17.18, "GB"),
+        (8, "key and a value"),
+        (64, "query heads"),
+        (4, "one sequence"),
+        (32, "2 bytes per value"),
+        (128, "bits"),
+        (0.5, "layers"),
+    ],
+)
+def test_32k_diagnoses_each_mistake(wrong, diagnosis):
+    """Each classic wrong answer gets its own diagnosis, not a generic 'wrong'."""
+    fb = exercises.check_32k_estimate(wrong)
+    assert not fb.correct and diagnosis in fb.message
+
+
+def test_unrecognised_answer_gets_the_first_hint():
+    fb = exercises.check_32k_estimate(3)
+    assert not fb.correct and exercises.KV_32K.hints[0] in fb.message
+
+
+@pytest.mark.parametrize("bad", [None, ..., "16", float("nan"), True])
+def test_non_numbers_are_explained(bad):
+    fb = exercises.check_32k_estimate(bad)
+    assert not fb.correct and "Expected a number" in fb.message
+
+
+def test_64k_plan():
+    """1 user fits at 64K; bytes per token must shrink 8x to keep 8; each known slip diagnosed."""
+    assert exercises.check_64k_plan(1, 8).correct
+    fb = exercises.check_64k_plan(8, 8)
+    assert not fb.correct and "today's number" in fb.message
+    assert "inverse" in exercises.check_64k_plan(1, 0.125).message
+    assert "fewer users" in exercises.check_64k_plan(64, 8).message
+    assert "One still fits" in exercises.check_64k_plan(0, 8).message
+
+
+def test_hints_are_tiered_and_end_with_the_working():
+    """hint(name, 1..n) gets more specific; the last contains the answer; levels clamp; unknown names error."""
+    hints = [exercises.hint("kv_32k", level) for level in (1, 2, 3)]
+    assert len(set(hints)) == 3 and "16 GiB" in hints[-1] and "16 GiB" not in hints[0]
+    assert exercises.hint("kv_32k", 99) == hints[-1]
+    with pytest.raises(ValueError, match="name"):
+        exercises.hint("nope")
+
+
+def test_feedback_shows_its_message():
+    fb = exercises.check_32k_estimate(16)
+    assert repr(fb) == fb.message
