@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
+from matplotlib.ticker import FuncFormatter
 
 
 def plot_kv_work(work: dict):
@@ -71,6 +72,7 @@ def plot_cache_vs_context(curves: dict, lengths, title="KV cache of one sequence
         ax.plot(lengths, [b / 2**30 for b in sizes], "o-", ms=3, label=name)
     _context_axis(ax, lengths)
     ax.set_yscale("log", base=2)
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.set_ylabel("GiB (log scale)")
     ax.set_title(title)
     ax.legend(fontsize=8)
@@ -84,7 +86,9 @@ def plot_concurrency_vs_context(curves: dict, lengths, budget_label: str):
     for name, counts in curves.items():
         ax.plot(lengths, counts, "o-", ms=3, label=name)
     _context_axis(ax, lengths)
-    ax.set_yscale("symlog", base=2, linthresh=1)
+    ax.set_yscale("symlog", base=2, linthresh=1)  # symlog: 0 sequences is a real answer, log cannot show it
+    ax.set_ylim(bottom=0)
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.set_ylabel("sequences that fit (log scale)")
     ax.set_title(f"Long context changes the concurrency math ({budget_label} of cache)")
     ax.legend(fontsize=8)

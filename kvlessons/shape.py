@@ -90,6 +90,18 @@ class ModelShape:
         if self.latent_dim is not None:
             require_positive_int("latent_dim", self.latent_dim)
 
+    def __str__(self) -> str:
+        # Only the fields that say something: defaults (no windows, no sharing) are left out.
+        parts = [f"layers={self.layers}", f"q_heads={self.q_heads}", f"kv_heads={self.kv_heads}",
+                 f"head_dim={self.head_dim}", f"hidden_size={self.hidden_size}"]
+        if self.windows:
+            parts.append(f"windows={self.windows}")
+        if self.kv_owners:
+            parts.append(f"kv_owners={self.kv_owners}")
+        if self.latent_dim is not None:
+            parts.append(f"latent_dim={self.latent_dim}")
+        return f"ModelShape({', '.join(parts)})"
+
     @property
     def group_size(self) -> int:
         """Query heads that read each KV head (1 for MHA, q_heads for MQA)."""

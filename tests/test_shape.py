@@ -41,3 +41,11 @@ def test_window_index_is_checked():
     """Asking for a layer outside the model is an error, not a silent None."""
     with pytest.raises(ValueError, match="layer"):
         ModelShape(layers=2, q_heads=4, kv_heads=2, head_dim=8).window(2)
+
+
+def test_str_names_only_what_is_set():
+    """str() leaves out empty windows/sharing/latent, so printed shapes stay short and stable."""
+    plain = ModelShape(layers=2, q_heads=4, kv_heads=2, head_dim=8)
+    assert str(plain) == "ModelShape(layers=2, q_heads=4, kv_heads=2, head_dim=8, hidden_size=32)"
+    windowed = ModelShape(layers=2, q_heads=4, kv_heads=2, head_dim=8, windows=(4, None), latent_dim=16)
+    assert str(windowed).endswith("windows=(4, None), latent_dim=16)")
