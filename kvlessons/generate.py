@@ -58,7 +58,7 @@ def generate(model, prompt_ids: torch.Tensor, max_new_tokens: int, cache: KVCach
         inputs = tokens if cache is None else fed
         synchronize(dev)
         t0 = time.perf_counter()
-        out = model(inputs, cache=cache)[:, -1]  # (B, vocab): only the last position predicts
+        out = model(inputs, cache=cache, last_only=True)[:, -1]  # (B, vocab): only the last position predicts
         nxt = out.argmax(dim=-1, keepdim=True)  # (B, 1)
         synchronize(dev)
         times.append(time.perf_counter() - t0)
@@ -156,7 +156,7 @@ def trace_generation(model, prompt_ids: torch.Tensor, max_new_tokens: int, cache
     fed = prompt_ids
     steps = []
     for step in range(max_new_tokens):
-        logits = model(fed, cache=cache)[0, -1]
+        logits = model(fed, cache=cache, last_only=True)[0, -1]
         probs = torch.softmax(logits.float(), dim=-1)
         top = probs.topk(min(top_k, probs.numel()))
         nxt = int(logits.argmax())

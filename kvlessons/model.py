@@ -36,6 +36,7 @@ class TinyConfig:
     norm_eps: float = 1e-5
     seed: int = 2
     windows: tuple[int | None, ...] = ()  # per-layer sliding window (None: full attention)
+    kv_owners: tuple[int, ...] = ()  # per-layer owner of the cache it reads (cross-layer sharing)
 
     def __post_init__(self):
         self.shape  # validates layers, heads and head_dim with ModelShape's rules
@@ -54,6 +55,7 @@ class TinyConfig:
             head_dim=self.head_dim,
             hidden_size=self.hidden_size,
             windows=self.windows,
+            kv_owners=self.kv_owners,
         )
 
 
@@ -71,27 +73,38 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention that reads and writes one layer of a cache."""
+    """Grouped-query attention over one layer of a cache.
 
-    def __init__(self, config: TinyConfig, window: int | None = None):
+    A layer that owns its cache projects K and V, rotates K, writes both to its cache
+    and attends over everything held. A layer that reads another layer's cache
+    (cross-layer sharing) has no K/V projections: it attends with its own queries over
+    the K/V its owner produced in this same forward pass.
+    """
+
+    def __init__(self, config: TinyConfig, window: int | None = None, projects_kv: bool = True):
         super().__init__()
         c = config
         self.q_heads, self.kv_heads, self.head_dim = c.q_heads, c.kv_heads, c.head_dim
         self.window = window  # sliding window in tokens, or None for full attention
         self.q_proj = nn.Linear(c.hidden_size, c.q_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, c.kv_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, c.kv_heads * c.head_dim, bias=False)
+        if projects_kv:
+            self.k_proj = nn.Linear(c.hidden_size, c.kv_heads * c.head_dim, bias=False)
+            self.v_proj = nn.Linear(c.hidden_size, c.kv_heads * c.head_dim, bias=False)
+        self.projects_kv = projects_kv
         self.o_proj = nn.Linear(c.q_heads * c.head_dim, c.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, layer_cache: LayerCache):
+    def forward(self, x, cos, sin, layer_cache: LayerCache | None = None, kv=None):
+        """Return (output (B, T, hidden), (k_all, v_all)); ``kv`` is the owner's K/V for a sharing layer."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.q_heads, self.head_dim).transpose(1, 2)  # (B, H_q, T, D)
-        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
-        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # rotate before caching
-        k_all, v_all = layer_cache.update(k, v)  # (B, H_kv, S, D), S = cached + T
-        out = attend(q, k_all, v_all, window=self.window)  # bottom-right causal mask when T > 1
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        q = apply_rope(q, cos, sin)
+        if kv is None:
+            k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
+            v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
+            k = apply_rope(k, cos, sin)  # rotate before caching: the cache holds rotated keys
+            kv = layer_cache.update(k, v)  # (B, H_kv, S, D), S = cached + T
+        out = attend(q, *kv, window=self.window)  # bottom-right causal mask when T > 1
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), kv
 
 
 class MLP(nn.Module):
@@ -108,16 +121,18 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: TinyConfig, window: int | None = None):
+    def __init__(self, config: TinyConfig, window: int | None = None, projects_kv: bool = True):
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.attn = Attention(config, window)
+        self.attn = Attention(config, window, projects_kv)
         self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, layer_cache):
-        x = x + self.attn(self.attn_norm(x), cos, sin, layer_cache)
-        return x + self.mlp(self.mlp_norm(x))
+    def forward(self, x, cos, sin, layer_cache=None, kv=None):
+        """Return (new x, the K/V this layer attended over)."""
+        h, kv = self.attn(self.attn_norm(x), cos, sin, layer_cache, kv)
+        x = x + h
+        return x + self.mlp(self.mlp_norm(x)), kv
 
 
 class TinyDecoder(nn.Module):
@@ -135,7 +150,9 @@ class TinyDecoder(nn.Module):
     def _build(self, config: TinyConfig) -> None:
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         shape = config.shape
-        self.blocks = nn.ModuleList(Block(config, shape.window(i)) for i in range(config.layers))
+        self.blocks = nn.ModuleList(
+            Block(config, shape.window(i), projects_kv=shape.owner(i) == i) for i in range(config.layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -157,17 +174,25 @@ class TinyDecoder(nn.Module):
     def device(self) -> torch.device:
         return self.embed.weight.device
 
-    def forward(self, ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor:
         """Return logits (B, T, vocab) for ``ids`` (B, T), appended after what ``cache`` holds.
 
         The new tokens take positions ``cache.seq_len .. cache.seq_len + T - 1``; their
         keys and values are added to the cache, and the cache advances by T. With
         ``cache=None`` the tokens are the whole sequence (positions from 0) and
-        nothing is kept.
+        nothing is kept. ``last_only`` returns logits for the last position only
+        (B, 1, vocab), all generation needs.
         """
+        cache, cos, sin, x = self.begin(ids, cache)
+        x = self.run_blocks(range(len(self.blocks)), x, cos, sin, cache)
+        cache.advance(ids.shape[1])  # once per forward pass, never once per layer
+        return self.head(x[:, -1:] if last_only else x)
+
+    def begin(self, ids: torch.Tensor, cache: KVCache | None):
+        """Check ids and room; return (cache, cos, sin, embeddings) for positions from cache.seq_len."""
         if ids.dim() != 2:
             raise ValueError(f"ids must be (batch, tokens), got shape {tuple(ids.shape)}")
-        b, t = ids.shape
+        t = ids.shape[1]
         if t == 0:
             raise ValueError("ids must hold at least one token")
         cache = ConcatCache() if cache is None else cache
@@ -175,11 +200,22 @@ class TinyDecoder(nn.Module):
         start = cache.seq_len  # the one place positions come from
         positions = torch.arange(start, start + t, device=ids.device)
         cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta)
-        cos, sin = cos.to(self.embed.weight.dtype), sin.to(self.embed.weight.dtype)
-        x = self.embed(ids)
-        for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, cache.layer(i, window=block.attn.window))
-        cache.advance(t)  # once per forward pass, never once per layer
+        dtype = self.embed.weight.dtype
+        return cache, cos.to(dtype), sin.to(dtype), self.embed(ids)
+
+    def run_blocks(self, indices, x, cos, sin, cache: KVCache, shared: dict | None = None):
+        """Run the blocks at ``indices``; a layer that shares a cache reuses its owner's K/V of this pass."""
+        shared = {} if shared is None else shared  # owner index -> (k_all, v_all) of this pass
+        for i in indices:
+            block, owner = self.blocks[i], self.shape.owner(i)
+            if owner in shared:  # the owner already wrote this pass's K/V: read it, store nothing
+                x, _ = block(x, cos, sin, kv=shared[owner])
+            else:
+                x, shared[i] = block(x, cos, sin, layer_cache=cache.layer(i, window=block.attn.window))
+        return x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and the output projection: logits."""
         return self.lm_head(self.norm(x))
 
 

@@ -136,4 +136,6 @@ def cross_layer_owners(layers: int, factor: int) -> tuple[int, ...]:
     """kv_owners for cross-layer attention (CLA): each group of ``factor`` adjacent layers shares the first's cache."""
     require_positive_int("layers", layers)
     require_positive_int("factor", factor)
+    if layers % factor:
+        raise ValueError(f"factor must divide layers ({layers}) so every group has {factor} layers, got {factor}")
     return tuple(i - i % factor for i in range(layers))

@@ -1,0 +1,128 @@
+"""Fewer KV heads: who reads what, what it saves, what it does not, and converting MHA to GQA.
+
+Multi-query attention (Shazeer 2019, arXiv 1911.02150) keeps one K/V head; grouped-query
+attention (Ainslie et al. 2023, arXiv 2305.13245) keeps ``kv_heads`` of them, each read
+by a group of ``q_heads // kv_heads`` consecutive query heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from .attention import causal_mask, repeat_kv
+from .shape import ModelShape, require_positive_int
+
+
+def query_groups(q_heads: int, kv_heads: int) -> list[list[int]]:
+    """For each KV head, the query heads that read it: query head h reads KV head h // (q_heads // kv_heads)."""
+    g = ModelShape(layers=1, q_heads=q_heads, kv_heads=kv_heads, head_dim=2).group_size  # validates
+    return [list(range(j * g, (j + 1) * g)) for j in range(kv_heads)]
+
+
+def explicit_attention(q, k, v, mask=None, grouped: bool = False):
+    """Attention written out with matmuls, (B, H_q, T, D) over K/V (B, H_kv, S, D).
+
+    ``grouped=False`` repeats each KV head for its group first (what ``enable_gqa``
+    stands for); ``grouped=True`` reshapes the queries into groups instead and never
+    materialises the repeat. Both do the same arithmetic.
+    """
+    b, h_q, t, d = q.shape
+    h_kv, s = k.shape[1], k.shape[2]
+    if h_q % h_kv:
+        raise ValueError(f"query heads ({h_q}) must be a multiple of KV heads ({h_kv})")
+    g = h_q // h_kv
+    mask = causal_mask(t, s, device=q.device) if mask is None else mask
+    if grouped:
+        qg = q.view(b, h_kv, g, t, d)  # (B, H_kv, g, T, D)
+        scores = qg @ k.unsqueeze(2).transpose(-1, -2) / d**0.5  # (B, H_kv, g, T, S)
+        out = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v.unsqueeze(2)
+        return out.reshape(b, h_q, t, d)
+    k, v = repeat_kv(k, g), repeat_kv(v, g)
+    scores = q @ k.transpose(-1, -2) / d**0.5  # (B, H_q, T, S)
+    return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+
+
+def count_flops(fn, *args, **kwargs) -> int:
+    """Floating-point operations PyTorch's FlopCounterMode counts while ``fn(*args)`` runs (matmuls)."""
+    with FlopCounterMode(display=False) as counter:
+        fn(*args, **kwargs)
+    return counter.get_total_flops()
+
+
+CONVERSIONS = ("mean", "first", "random")
+
+
+@torch.no_grad()
+def convert_to_gqa(model, kv_heads: int, method: str = "mean"):
+    """Return a copy of ``model`` with ``kv_heads`` KV heads built from its old ones.
+
+    ``mean`` (the GQA paper's choice, and its best) averages the K and V projection
+    weights of the heads in each group; ``first`` keeps the first head of each group;
+    ``random`` starts the new heads from scratch. Queries, outputs and MLPs are kept.
+    """
+    old = model.config
+    require_positive_int("kv_heads", kv_heads)
+    if method not in CONVERSIONS:
+        raise ValueError(f"method must be one of {CONVERSIONS}, got {method!r}")
+    if old.kv_heads % kv_heads:
+        raise ValueError(f"kv_heads must divide the model's {old.kv_heads} KV heads, got {kv_heads}")
+    new_config = replace(old, kv_heads=kv_heads)  # validates q_heads % kv_heads
+    new = type(model)(new_config).to(model.device)
+    new.load_state_dict(
+        {k: v for k, v in model.state_dict().items() if not k.endswith(("k_proj.weight", "v_proj.weight"))},
+        strict=False,
+    )
+    if method == "random":
+        return new.eval()  # new K/V projections keep the fresh initialisation
+    pool = old.kv_heads // kv_heads
+    for block_old, block_new in zip(model.blocks, new.blocks):
+        for name in ("k_proj", "v_proj"):
+            w = getattr(block_old.attn, name).weight.view(kv_heads, pool, old.head_dim, -1)  # grouped heads
+            merged = w.mean(dim=1) if method == "mean" else w[:, 0]
+            getattr(block_new.attn, name).weight.copy_(merged.reshape(kv_heads * old.head_dim, -1))
+    return new.eval()
+
+
+@torch.no_grad()
+def output_drift(reference, candidate, ids: torch.Tensor) -> dict:
+    """How far ``candidate``'s next-token distributions are from ``reference``'s on ``ids``.
+
+    Returns mean KL(reference || candidate) in nats per position, the largest logit
+    difference, and how often both pick the same top token.
+    """
+    ref, cand = reference(ids), candidate(ids)
+    kl = F.kl_div(cand.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="none").sum(-1)
+    return {
+        "kl": kl.mean().item(),
+        "max_logit_diff": (ref - cand).abs().max().item(),
+        "top1_agreement": (ref.argmax(-1) == cand.argmax(-1)).float().mean().item(),
+    }
+
+
+def distill(student, teacher, steps: int = 100, batch: int = 8, seq_len: int = 64, lr: float = 3e-3, seed: int = 0) -> list[float]:
+    """Train ``student`` to match ``teacher``'s next-token distributions on random token sequences.
+
+    A stand-in for the GQA paper's uptraining (continued pre-training on the original
+    data for about 5% of the original steps), sized to run in seconds on a CPU.
+    Returns the KL loss per step; ``student`` is left in eval mode.
+    """
+    require_positive_int("steps", steps)
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.Adam(student.parameters(), lr=lr)
+    student.train()
+    losses = []
+    for _ in range(steps):
+        ids = torch.randint(student.config.vocab_size, (batch, seq_len), generator=g).to(student.device)
+        with torch.no_grad():
+            target = teacher(ids).log_softmax(-1)
+        loss = F.kl_div(student(ids).log_softmax(-1), target, log_target=True, reduction="batchmean") / seq_len
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    student.eval()
+    return losses

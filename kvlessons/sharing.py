@@ -1,0 +1,142 @@
+"""Caches shared across layers: cross-layer attention (CLA) and a YOCO-style decoder-decoder.
+
+CLA (Brandon et al. 2024, arXiv 2405.12981): in each group of ``factor`` adjacent layers
+only the first projects and caches K/V; the others attend to that cache with their own
+queries. In kvlessons it is a TinyConfig with ``kv_owners``: the forward pass and the
+cache interface are unchanged, and only owners create cache layers.
+
+YOCO (Sun et al. 2024, arXiv 2405.05254): the lower half is a self-decoder whose layers
+use sliding-window attention (their caches stop growing at the window); the lower
+half's output is projected once into one global K/V, cached once, that every upper
+layer cross-attends to. During prefill the upper half only has to run for the last
+prompt token, because no upper layer keeps a cache of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from .cache import KVCache
+from .model import Block, RMSNorm, TinyConfig, TinyDecoder
+from .rope import apply_rope
+from .shape import ModelShape, cross_layer_owners, require_positive_int
+
+
+def cla_config(config: TinyConfig, factor: int) -> TinyConfig:
+    """``config`` with cross-layer attention: groups of ``factor`` adjacent layers share one cache."""
+    require_positive_int("factor", factor)
+    return replace(config, kv_owners=cross_layer_owners(config.layers, factor))
+
+
+def yoco_shape(layers: int, q_heads: int, kv_heads: int, head_dim: int, window: int, hidden_size: int | None = None) -> ModelShape:
+    """The cache shape of a YOCO decoder: windowed lower half, one global cache for the upper half.
+
+    Layer ``layers // 2`` is taken as the owner of the global cache, and every upper
+    layer reads it; kvlessons.memory then counts the lower layers up to their window
+    and the global cache once.
+    """
+    require_positive_int("layers", layers)
+    require_positive_int("window", window)
+    if layers % 2 or layers < 2:
+        raise ValueError(f"layers must be even (a lower and an upper half), got {layers}")
+    half = layers // 2
+    return ModelShape(
+        layers=layers, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, hidden_size=hidden_size,
+        windows=(window,) * half + (None,) * half,
+        kv_owners=tuple(range(half)) + (half,) * half,
+    )
+
+
+class YOCODecoder(TinyDecoder):
+    """A decoder-decoder: ``layers // 2`` sliding-window self-decoder layers, then cross-decoder layers.
+
+    The lower half is ordinary (own K/V, own windowed cache). After it, one RMSNorm and
+    one pair of K/V projections turn the hidden state into the global K/V, stored in
+    ``cache.layer(layers // 2)``. Upper layers have queries but no K/V projections.
+    """
+
+    def __init__(self, config: TinyConfig | None = None, window: int = 8):
+        config = config or TinyConfig()
+        require_positive_int("window", window)
+        self.window = window
+        # Validates layers (even) and heads; the windows/kv_owners live on the shape.
+        self._yoco_shape = yoco_shape(config.layers, config.q_heads, config.kv_heads, config.head_dim, window, config.hidden_size)
+        super().__init__(config)
+
+    def _build(self, config: TinyConfig) -> None:
+        half = config.layers // 2
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        blocks = [Block(config, self.window) for _ in range(half)]  # self-decoder
+        blocks += [Block(config, None, projects_kv=False) for _ in range(half)]  # cross-decoder
+        self.blocks = nn.ModuleList(blocks)
+        self.global_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        kv_width = config.kv_heads * config.head_dim
+        self.global_k = nn.Linear(config.hidden_size, kv_width, bias=False)
+        self.global_v = nn.Linear(config.hidden_size, kv_width, bias=False)
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def shape(self) -> ModelShape:
+        return self._yoco_shape
+
+    def forward(self, ids: torch.Tensor, cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor:
+        """Logits as TinyDecoder's; with ``last_only`` the upper half runs for the last position only."""
+        cache, cos, sin, x = self.begin(ids, cache)
+        b, t, _ = x.shape
+        half = len(self.blocks) // 2
+        x = self.run_blocks(range(half), x, cos, sin, cache)  # self-decoder over every new token
+        # The global K/V: computed once from the self-decoder's output, cached once.
+        h = self.global_norm(x)
+        c = self.config
+        k = apply_rope(self.global_k(h).view(b, t, c.kv_heads, c.head_dim).transpose(1, 2), cos, sin)
+        v = self.global_v(h).view(b, t, c.kv_heads, c.head_dim).transpose(1, 2)
+        kv = cache.layer(half).update(k, v)  # (B, H_kv, S, D)
+        if last_only:  # the cross-decoder has no cache to fill: only the last query matters
+            x, cos, sin = x[:, -1:], cos[-1:], sin[-1:]
+        x = self.run_blocks(range(half, len(self.blocks)), x, cos, sin, cache, shared={half: kv})
+        cache.advance(t)
+        return self.head(x)
+
+
+def count_layer_tokens(model):
+    """Context manager counting, per block, the token-positions it processed: ``with count_layer_tokens(m) as n``."""
+    from contextlib import contextmanager
+
+    @contextmanager
+    def counting():
+        counts = [0] * len(model.blocks)
+        handles = []
+        for i, block in enumerate(model.blocks):
+            def hook(_module, args, i=i):
+                x = args[0]  # (B, T, hidden)
+                counts[i] += x.shape[0] * x.shape[1]
+            handles.append(block.register_forward_pre_hook(hook))
+        try:
+            yield counts
+        finally:
+            for h in handles:
+                h.remove()
+
+    return counting()
+
+
+# DeepSeek-V4.1-Flash as the seed text relays its technical report. These are the report's
+# figures; none can be checked here (no weights, no config, no per-layer pattern is given).
+DEEPSEEK_V41_FLASH = {
+    "layers": 40,
+    "split": (20, 20),  # causal encoder / decoder halves, after YOCO
+    "global_kv_from_layer": 20,  # decoder layers project their global K/V from the hidden state at layer 20
+    "layer_kinds": {
+        "Full": "computes its own compressed K/V, sparse-attention indexer keys and top-k selection",
+        "Reindex": "reuses a neighbour's K/V but picks its own top-k",
+        "Reuse": "reuses both the K/V and the top-k selection",
+    },
+    "main_cache": "nvfp4",  # FP4 E2M1 values, one E4M3 scale per 16 channels, after RoPE, trained with QAT
+    "window_cache": "fp8",
+    "global_kv_bytes_per_token": 890,  # 'about 890 bytes', a quarter of its predecessor's
+    "predecessor_ratio": 4,
+}
