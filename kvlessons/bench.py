@@ -65,14 +65,22 @@ def decode_time(model, seq_len: int, mode: str, repeats: int = 5, batch: int = 1
 
 @torch.inference_mode()
 def prefill_time(model, prompt_len: int, repeats: int = 5, batch: int = 1) -> float:
-    """Median seconds to read a ``prompt_len``-token prompt into an empty cache in one pass."""
+    """Median seconds to read a ``prompt_len``-token prompt into an empty cache and score the next token.
+
+    Only the last position's logits are computed (``last_only``), as in generation: that
+    is what lets a YOCO model skip its upper half over the prompt.
+    """
     require_positive_int("prompt_len", prompt_len)
     require_positive_int("repeats", repeats)
     dev = model.device
     g = torch.Generator().manual_seed(prompt_len)
     ids = torch.randint(model.config.vocab_size, (batch, prompt_len), generator=g).to(dev)
-    model(ids, cache=StaticCache(prompt_len))  # warm-up
-    return statistics.median(_timed(lambda: model(ids, cache=StaticCache(prompt_len)), dev) for _ in range(repeats))
+
+    def run():
+        model(ids, cache=StaticCache(prompt_len), last_only=True)
+
+    run()  # warm-up
+    return statistics.median(_timed(run, dev) for _ in range(repeats))
 
 
 def decode_table(model, lengths, modes=MODES, repeats: int = 5) -> list[dict]:

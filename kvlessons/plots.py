@@ -94,3 +94,39 @@ def plot_concurrency_vs_context(curves: dict, lengths, budget_label: str):
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def plot_bytes_per_token(table: dict, title: str):
+    """Grouped bars: ``table`` maps variant -> {dtype: bytes per token}; log scale, values labelled."""
+    import numpy as np
+
+    names = list(table)
+    dtypes = list(next(iter(table.values())))
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.8 / len(dtypes)
+    x = np.arange(len(names))
+    for j, dt in enumerate(dtypes):
+        values = [table[n][dt] / 1024 for n in names]
+        bars = ax.bar(x + (j - (len(dtypes) - 1) / 2) * width, values, width, label=dt)
+        ax.bar_label(bars, labels=[f"{v:g}" for v in values], fontsize=6, rotation=90, padding=2)
+    ax.set_xticks(x, labels=names, rotation=15, fontsize=8)
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.set_ylabel("KiB per token (log scale)")
+    ax.set_title(title)
+    ax.legend(title="storage")
+    ax.margins(y=0.25)
+    fig.tight_layout()
+    return fig
+
+
+def plot_head_sizes(sizes: dict):
+    """Bars of measured cache bytes per head layout: ``sizes`` maps label -> bytes."""
+    fig, ax = plt.subplots(figsize=(5, 3))
+    bars = ax.bar(list(sizes), list(sizes.values()), color=["#4e79a7", "#f28e2b", "#59a14f"][: len(sizes)])
+    ax.bar_label(bars, labels=[f"{v:,} B" for v in sizes.values()], fontsize=8)
+    ax.set_ylabel("cache bytes (measured)")
+    ax.set_title("Same model, fewer KV heads")
+    ax.margins(y=0.15)
+    fig.tight_layout()
+    return fig

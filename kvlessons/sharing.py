@@ -140,3 +140,49 @@ DEEPSEEK_V41_FLASH = {
     "global_kv_bytes_per_token": 890,  # 'about 890 bytes', a quarter of its predecessor's
     "predecessor_ratio": 4,
 }
+
+
+def variant_shapes(layers: int = 32, q_heads: int = 32, kv_heads: int = 8, head_dim: int = 128, window: int = 4096, factor: int = 2) -> dict[str, ModelShape]:
+    """Cache shapes of one model size under each trick and their combinations (for comparison plots)."""
+    base = dict(layers=layers, q_heads=q_heads, head_dim=head_dim)
+    return {
+        "MHA": ModelShape(kv_heads=q_heads, **base),
+        f"GQA-{kv_heads}": ModelShape(kv_heads=kv_heads, **base),
+        f"MHA + CLA-{factor}": ModelShape(kv_heads=q_heads, kv_owners=cross_layer_owners(layers, factor), **base),
+        f"GQA-{kv_heads} + CLA-{factor}": ModelShape(kv_heads=kv_heads, kv_owners=cross_layer_owners(layers, factor), **base),
+        "YOCO (MHA)": yoco_shape(layers, q_heads, q_heads, head_dim, window),
+        f"YOCO + GQA-{kv_heads}": yoco_shape(layers, q_heads, kv_heads, head_dim, window),
+    }
+
+
+def describe_layers(shape: ModelShape) -> list[dict]:
+    """One row per layer: whether it stores a cache, whose cache it reads, and its window."""
+    rows = []
+    for i in range(shape.layers):
+        owner = shape.owner(i)
+        rows.append({
+            "layer": i,
+            "stores": owner == i,
+            "reads": owner,
+            "window": shape.window(i),
+        })
+    return rows
+
+
+def format_layers(shape: ModelShape, global_from: int | None = None) -> str:
+    """The rows of :func:`describe_layers` as text.
+
+    ``global_from``: for a YOCO shape, the layer index under which the global K/V is
+    stored (``layers // 2``); the layers reading it are shown as cross-attending.
+    """
+    lines = [f"{'layer':>5}  {'attention':<22} {'cache':<34}"]
+    for r in describe_layers(shape):
+        attention = "full" if r["window"] is None else f"sliding window {r['window']}"
+        if r["reads"] == global_from:
+            cache = "cross-attends to the global K/V"
+        elif r["stores"]:
+            cache = "own K/V"
+        else:
+            cache = f"reads layer {r['reads']}'s K/V"
+        lines.append(f"{r['layer']:>5}  {attention:<22} {cache:<34}")
+    return "\n".join(lines)

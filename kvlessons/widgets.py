@@ -203,3 +203,62 @@ def memory_estimator_widget():
     box = w.VBox([presets, *sliders.values(), dtype, view])
     box.sliders, box.dtype, box.presets, box.view = sliders, dtype, presets, view  # handles for tests
     return box
+
+
+# --- which query heads read which KV head (lesson 03) -------------------------------------------
+
+_HEAD_COLOURS = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"]
+
+
+def head_groups_html(q_heads: int, kv_heads: int) -> str:
+    """HTML picture: one row of query heads, one of KV heads, each query coloured like the KV head it reads."""
+    from .gqa import query_groups
+
+    groups = query_groups(q_heads, kv_heads)  # validates
+    colour = {q: _HEAD_COLOURS[j % len(_HEAD_COLOURS)] for j, qs in enumerate(groups) for q in qs}
+    cell = "display:inline-block;width:2.4em;margin:1px;padding:3px 0;text-align:center;border-radius:3px;color:white;font-family:monospace;"
+    q_row = "".join(f'<span data-q="{q}" style="{cell}background:{colour[q]}">q{q}</span>' for q in range(q_heads))
+    kv_row = "".join(
+        f'<span data-kv="{j}" style="{cell}background:{_HEAD_COLOURS[j % len(_HEAD_COLOURS)]};'
+        f'width:{2.4 * len(qs) + 0.15 * (len(qs) - 1):.2f}em">kv{j}</span>'
+        for j, qs in enumerate(groups)
+    )
+    kind = "MHA" if kv_heads == q_heads else "MQA" if kv_heads == 1 else "GQA"
+    g = q_heads // kv_heads
+    return (
+        f"<div><b>{kind}</b>: {q_heads} query heads, {kv_heads} KV heads, {g} quer{'y' if g == 1 else 'ies'} per KV head; "
+        f"cache {q_heads // kv_heads}x smaller than MHA</div>"
+        f"<div style='margin-top:4px'>{q_row}</div><div>{kv_row}</div>"
+    )
+
+
+def head_groups_widget(q_heads: int = 8, kv_heads: int = 2):
+    """Pick query heads and a divisor of them as KV heads; see who reads what. Cannot raise."""
+    import ipywidgets as w
+
+    def divisors(n):
+        return [d for d in range(1, n + 1) if n % d == 0]
+
+    q = w.IntSlider(value=q_heads, min=1, max=32, description="q_heads")
+    kv = w.Dropdown(options=divisors(q_heads), value=kv_heads, description="kv_heads")
+    view = w.HTML()
+
+    def render(change=None):
+        view.value = head_groups_html(q.value, kv.value)
+
+    def new_q(change):
+        old = kv.value
+        options = divisors(q.value)
+        # Keep the choice if it still divides; else the largest divisor below it (never invalid).
+        kv.unobserve(render, names="value")
+        kv.options = options
+        kv.value = old if old in options else max(d for d in options if d <= old)
+        kv.observe(render, names="value")
+        render()
+
+    q.observe(new_q, names="value")
+    kv.observe(render, names="value")
+    render()
+    box = w.VBox([w.HBox([q, kv]), view])
+    box.q_heads, box.kv_heads, box.view = q, kv, view  # handles for tests
+    return box

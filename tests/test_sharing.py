@@ -136,3 +136,26 @@ def test_deepseek_record_is_the_seed_figures():
     assert DEEPSEEK_V41_FLASH["layers"] == sum(DEEPSEEK_V41_FLASH["split"]) == 40
     assert DEEPSEEK_V41_FLASH["global_kv_bytes_per_token"] == 890
     assert set(DEEPSEEK_V41_FLASH["layer_kinds"]) == {"Full", "Reindex", "Reuse"}
+
+
+def test_variant_shapes_per_token_bytes():
+    """Past the window, YOCO adds one layer's K/V per token; CLA-2 half the layers; GQA-8 a quarter of MHA."""
+    from kvlessons.memory import kv_bytes_per_token
+    from kvlessons.sharing import variant_shapes
+
+    v = variant_shapes(layers=32, q_heads=32, kv_heads=8, head_dim=128, window=4096, factor=2)
+    b = {name: kv_bytes_per_token(s, "bf16", position=10_000) for name, s in v.items()}
+    assert b["MHA"] == 512 * 1024 and b["GQA-8"] == 128 * 1024
+    assert b["GQA-8 + CLA-2"] == 64 * 1024 and b["MHA + CLA-2"] == 256 * 1024
+    assert b["YOCO + GQA-8"] == 2 * 8 * 128 * 2 and b["YOCO (MHA)"] == 2 * 32 * 128 * 2
+
+
+def test_format_layers_names_each_role():
+    from kvlessons.sharing import format_layers
+
+    text = format_layers(yoco_shape(4, 4, 2, 8, 16), global_from=2)
+    lines = text.splitlines()[1:]
+    assert "sliding window 16" in lines[0] and "own K/V" in lines[0]
+    assert all("global K/V" in line for line in lines[2:])
+    cla = format_layers(cla_config(BASE, 3).shape)
+    assert "reads layer 0's K/V" in cla.splitlines()[2]

@@ -13,6 +13,8 @@ from kvlessons.widgets import (
     cache_step_html,
     describe_cache_step,
     estimate_html,
+    head_groups_html,
+    head_groups_widget,
     memory_estimator_widget,
 )
 
@@ -102,3 +104,25 @@ def test_estimator_cannot_be_driven_into_an_exception():
             for v in (lo, hi, lo + step):
                 box.sliders[key].value = v
         assert "Estimated KV cache" in box.view.value
+
+
+# --- head groups (lesson 03) -------------------------------------------------------------------
+
+
+def test_head_groups_html_colours_each_group():
+    page = head_groups_html(8, 2)
+    assert page.count("data-q=") == 8 and page.count("data-kv=") == 2 and "<b>GQA</b>" in page
+    assert "<b>MQA</b>" in head_groups_html(4, 1) and "<b>MHA</b>" in head_groups_html(4, 4)
+
+
+def test_head_groups_widget_only_offers_divisors():
+    """Changing q_heads re-offers only divisors and keeps a valid choice: the widget cannot raise."""
+    box = head_groups_widget(8, 2)
+    for q in range(1, 33):
+        box.q_heads.value = q
+        assert all(q % d == 0 for d in box.kv_heads.options)
+        assert q % box.kv_heads.value == 0
+        assert f"{q} query heads" in box.view.value
+    box.q_heads.value = 12
+    box.kv_heads.value = 3
+    assert "3 KV heads" in box.view.value
