@@ -165,3 +165,74 @@ def hint(name: str, level: int = 1) -> str:
     if name not in EXERCISES:
         raise ValueError(f"name must be one of {', '.join(EXERCISES)}; got {name!r}")
     return EXERCISES[name].hint(level)
+
+
+# ---------------------------------------------------------------------------------------------
+# Lesson 05: one NVFP4 block by hand
+# ---------------------------------------------------------------------------------------------
+
+# 16 values whose largest magnitude is negative (so max() and abs-max differ) and which
+# include exact ties between E2M1 grid points once divided by the scale 0.5.
+FP4_BLOCK = (-3.0, 1.2, 0.125, 0.6, -0.75, 2.5, 0.0, 1.75, -0.2, 0.375, 1.0, -2.2, 0.9, 0.625, -1.25, 2.0)
+
+
+def _block_answer():
+    import torch
+
+    from .fp4 import pack_nibbles, quantize
+
+    q = quantize(torch.tensor([FP4_BLOCK]), block=16, tensor_scale=1.0)
+    scale = q.block_scales.float().item()
+    codes = q.codes()[0].tolist()
+    packed = pack_nibbles(torch.tensor([codes], dtype=torch.uint8))[0].tolist()
+    return scale, codes, packed
+
+
+def check_fp4_block(scale, codes, packed) -> Feedback:
+    """Exercise 05.1: quantize FP4_BLOCK by hand (tensor scale 1): its E4M3 scale, 16 codes, 8 packed bytes.
+
+    Diagnoses the first wrong step: the scale, then each code (sign, rounding, ties),
+    then the byte order of the packing.
+    """
+    from .fp4 import E2M1_VALUES
+
+    right_scale, right_codes, right_packed = _block_answer()
+    amax = max(abs(v) for v in FP4_BLOCK)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        return Feedback(False, f"scale: expected a number, got {scale!r}.")
+    if abs(scale - right_scale) > 1e-9:
+        if abs(scale - amax) < 1e-9:
+            why = "that is the block's absolute maximum; the scale maps it to E2M1's largest value, 6, so divide by 6."
+        elif abs(scale - max(FP4_BLOCK) / 6) < 1e-9:
+            why = "you took the largest value, not the largest magnitude: -3.0 has the biggest |x| in this block."
+        else:
+            why = f"the scale is max|x| / 6 = {amax} / 6, rounded to E4M3 (exact here)."
+        return Feedback(False, f"Step 1, the scale, is off ({scale}): {why}")
+    codes = list(codes) if not isinstance(codes, list) else codes
+    if len(codes) != 16:
+        return Feedback(False, f"Step 2: expected 16 codes, one per value, got {len(codes)}.")
+    for i, (got, want) in enumerate(zip(codes, right_codes)):
+        if got == want:
+            continue
+        x = FP4_BLOCK[i] / right_scale
+        if not isinstance(got, int) or not 0 <= got < 16:
+            return Feedback(False, f"Step 2, code {i}: a code is an integer 0..15, got {got!r}.")
+        if (got & 7) == (want & 7):
+            return Feedback(False, f"Step 2, code {i} (x/scale = {x:g}): the magnitude is right but the sign bit is wrong; negative values set bit 3 (add 8).")
+        got_mag, want_mag = E2M1_VALUES[got & 7], E2M1_VALUES[want & 7]
+        if abs(x) == (got_mag + want_mag) / 2:
+            return Feedback(False, f"Step 2, code {i}: {abs(x):g} is exactly halfway between {got_mag:g} and {want_mag:g}; "
+                            f"ties go to the even code (mantissa bit 0), here {want & 7}, not away from zero.")
+        if got_mag == round(abs(x)):
+            return Feedback(False, f"Step 2, code {i}: {abs(x):g} rounded to the nearest integer is not the nearest E2M1 value; "
+                            f"the grid is 0, 0.5, 1, 1.5, 2, 3, 4, 6, so the nearest is {want_mag:g}.")
+        return Feedback(False, f"Step 2, code {i}: x/scale = {x:g} rounds to {E2M1_VALUES[want & 7]:g}, which is code {want}, not {got}.")
+    packed = list(packed)
+    if packed == right_packed:
+        return Feedback(True, f"Correct: scale {right_scale}, codes {right_codes}, packed bytes {right_packed}: 16 values in 8 + 1 bytes.")
+    swapped = [((b & 0x0F) << 4) | (b >> 4) for b in right_packed if isinstance(b, int)]
+    if packed == swapped:
+        return Feedback(False, "Step 3, packing: the nibbles are swapped. Element 0 goes in the low 4 bits: byte = code[2i] | code[2i+1] << 4.")
+    if len(packed) != 8:
+        return Feedback(False, f"Step 3, packing: 16 codes of 4 bits make 8 bytes, got {len(packed)}.")
+    return Feedback(False, f"Step 3, packing: byte i is code[2i] + 16 x code[2i+1]; expected {right_packed}.")

@@ -410,3 +410,29 @@ def cache_curves(names, lengths, dtype="bf16") -> dict[str, list[int]]:
 def concurrency_curves(names, lengths, budget_bytes: int, dtype="bf16") -> dict[str, list[int]]:
     """Sequences that fit in ``budget_bytes`` at each length, for each preset named."""
     return {name: [max_sequences(preset(name).shape, n, budget_bytes, dtype) for n in lengths] for name in names}
+
+
+TENSOR_SCALE_BYTES = 4  # one fp32 scale per stored K or V tensor in a quantized cache
+
+
+def quantized_cache_bytes(shape: ModelShape, seq_len: int, batch: int = 1, dtype="nvfp4", residual: int = 0, residual_dtype="fp32") -> int:
+    """Exact bytes of a quantized cache (kvlessons.fp4.QuantizedCache) after ``seq_len`` appended tokens.
+
+    The newest ``residual`` tokens stay in ``residual_dtype`` (KIVI-style); the rest are
+    stored in ``dtype`` (values and block scales, as :func:`kv_cache_bytes` counts them);
+    each cache layer also keeps one fp32 scale for K and one for V. Windows are not
+    supported by the quantized cache, so none are allowed here.
+    """
+    require_positive_int("seq_len", seq_len)
+    require_positive_int("batch", batch)
+    require_positive_int("residual", residual, allow_zero=True)
+    if any(shape.window(i) is not None for i in shape.cache_layers):
+        raise ValueError("shape has sliding windows; the quantized cache stores full-attention layers only")
+    full = min(seq_len, residual)
+    quantized = seq_len - full
+    total = len(shape.cache_layers) * (2 if shape.latent_dim is None else 1) * TENSOR_SCALE_BYTES
+    if quantized:
+        total += kv_cache_bytes(shape, quantized, batch, dtype)
+    if full:
+        total += kv_cache_bytes(shape, full, batch, residual_dtype)
+    return total

@@ -93,15 +93,21 @@ class Attention(nn.Module):
         self.projects_kv = projects_kv
         self.o_proj = nn.Linear(c.q_heads * c.head_dim, c.hidden_size, bias=False)
 
+    def project(self, x, cos, sin):
+        """Rotated queries (B, H_q, T, D) and, for an owning layer, rotated keys and values (B, H_kv, T, D)."""
+        b, t, _ = x.shape
+        q = apply_rope(self.q_proj(x).view(b, t, self.q_heads, self.head_dim).transpose(1, 2), cos, sin)
+        if not self.projects_kv:
+            return q, None, None
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        return q, apply_rope(k, cos, sin), v  # rotate before caching: the cache holds rotated keys
+
     def forward(self, x, cos, sin, layer_cache: LayerCache | None = None, kv=None):
         """Return (output (B, T, hidden), (k_all, v_all)); ``kv`` is the owner's K/V for a sharing layer."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.q_heads, self.head_dim).transpose(1, 2)  # (B, H_q, T, D)
-        q = apply_rope(q, cos, sin)
+        q, k, v = self.project(x, cos, sin)
         if kv is None:
-            k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
-            v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
-            k = apply_rope(k, cos, sin)  # rotate before caching: the cache holds rotated keys
             kv = layer_cache.update(k, v)  # (B, H_kv, S, D), S = cached + T
         out = attend(q, *kv, window=self.window)  # bottom-right causal mask when T > 1
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), kv
@@ -251,3 +257,30 @@ class CharTokenizer:
         """One token, shown so whitespace is visible."""
         ch = self.decode([i])
         return {"\n": "\\n", " ": "\u2423"}.get(ch, ch)
+
+
+@torch.no_grad()
+def attention_inputs(model, ids: torch.Tensor, layer: int = 0):
+    """The rotated (q, k, v) that layer ``layer`` computes for ``ids`` in one uncached pass.
+
+    Also returns the keys before rotation, for comparing quantization before and after
+    RoPE: ``(q, k, v, k_before_rope)``, shaped (B, heads, T, D).
+    """
+    attn = model.blocks[layer].attn
+    if not attn.projects_kv:
+        raise ValueError(f"layer {layer} reads another layer's cache and computes no K/V of its own")
+    seen = {}
+
+    def grab(_module, args):
+        seen["x"], seen["cos"], seen["sin"] = args[0], args[1], args[2]
+
+    handle = attn.register_forward_pre_hook(grab)
+    try:
+        model(ids)
+    finally:
+        handle.remove()
+    x = seen["x"]
+    q, k, v = attn.project(x, seen["cos"], seen["sin"])
+    b, t, _ = x.shape
+    k_raw = attn.k_proj(x).view(b, t, attn.kv_heads, attn.head_dim).transpose(1, 2)
+    return q, k, v, k_raw

@@ -62,3 +62,48 @@ def test_hints_are_tiered_and_end_with_the_working():
 def test_feedback_shows_its_message():
     fb = exercises.check_32k_estimate(16)
     assert repr(fb) == fb.message
+
+
+# --- lesson 05: one FP4 block by hand ----------------------------------------------------------
+
+from kvlessons.exercises import FP4_BLOCK, _block_answer, check_fp4_block  # noqa: E402
+
+
+def test_fp4_block_right_answer():
+    scale, codes, packed = _block_answer()
+    assert scale == 0.5 and len(codes) == 16 and len(packed) == 8
+    assert check_fp4_block(scale, codes, packed).correct
+
+
+def _with(codes, i, value):
+    out = list(codes)
+    out[i] = value
+    return out
+
+
+@pytest.mark.parametrize(
+    "mutate, words",
+    [
+        (lambda s, c, p: (3.0, c, p), "divide by 6"),
+        (lambda s, c, p: (max(FP4_BLOCK) / 6, c, p), "largest magnitude"),
+        (lambda s, c, p: (0.3, c, p), "max|x| / 6"),
+        (lambda s, c, p: (s, _with(c, 0, c[0] & 7), p), "sign bit"),
+        (lambda s, c, p: (s, _with(c, 2, 1), p), "ties go to the even"),  # 0.25 -> 0.5 instead of 0
+        (lambda s, c, p: (s, _with(c, 5, 7), p), "ties go to the even"),  # 5.0 -> 6 instead of 4
+        (lambda s, c, p: (s, c[:15], p), "16 codes"),
+        (lambda s, c, p: (s, c, [((b & 15) << 4) | (b >> 4) for b in p]), "swapped"),
+        (lambda s, c, p: (s, c, p[:7]), "8 bytes"),
+    ],
+)
+def test_fp4_block_diagnoses_the_wrong_step(mutate, words):
+    """Each mistake is named at the step where it happens."""
+    fb = check_fp4_block(*mutate(*_block_answer()))
+    assert not fb.correct and words in fb.message, fb.message
+
+
+def test_fp4_block_integer_rounding_is_diagnosed():
+    """x/scale = -0.4 rounded like an integer gives -0; the grid has 0.5, and the checker says so."""
+    scale, codes, packed = _block_answer()
+    assert FP4_BLOCK[8] / scale == -0.4 and codes[8] == 9  # -0.5
+    fb = check_fp4_block(scale, _with(codes, 8, 8), packed)
+    assert not fb.correct and "the grid is 0, 0.5, 1" in fb.message
