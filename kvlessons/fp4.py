@@ -396,9 +396,10 @@ def compare_generation(model, prompt_ids: torch.Tensor, max_new_tokens: int, cac
     free_running: fraction of generated tokens equal position by position (after the
     first divergence the two continue from different text, so this drops fast);
     first_divergence: index of the first different token (None if none);
-    teacher_forced: fraction of positions whose top token agrees when both read the
-    full-precision text (a per-step measure free of compounding);
-    max_logit_diff: largest logit difference in the teacher-forced pass.
+    teacher_forced: fraction of decode steps at which ``cache`` would pick the same next
+    token as full precision when both read the full-precision text, fed one token per
+    step as in decoding (free of compounding);
+    max_logit_diff: largest logit difference over those teacher-forced steps.
     """
     from .cache import ConcatCache
     from .generate import generate
@@ -409,13 +410,15 @@ def compare_generation(model, prompt_ids: torch.Tensor, max_new_tokens: int, cac
     same = (reference.new_tokens == candidate.new_tokens)[0]
     diverged = (~same).nonzero()
     cache.reset()
-    forced = model(reference.tokens[:, :-1], cache=cache)
-    full = model(reference.tokens[:, :-1])
+    steps = [model(prompt_ids, cache=cache, last_only=True)[:, -1]]
+    for i in range(max_new_tokens - 1):
+        steps.append(model(reference.new_tokens[:, i : i + 1], cache=cache)[:, -1])
+    forced = torch.stack(steps, dim=1)  # (B, N, vocab), the same decisions as reference.logits
     return {
         "free_running": same.float().mean().item(),
         "first_divergence": int(diverged[0]) if len(diverged) else None,
-        "teacher_forced": (forced.argmax(-1) == full.argmax(-1)).float().mean().item(),
-        "max_logit_diff": (forced - full).abs().max().item(),
+        "teacher_forced": (forced.argmax(-1) == reference.new_tokens).float().mean().item(),
+        "max_logit_diff": (forced - reference.logits).abs().max().item(),
     }
 
 

@@ -130,3 +130,23 @@ def plot_head_sizes(sizes: dict):
     ax.margins(y=0.15)
     fig.tight_layout()
     return fig
+
+
+def plot_e2m1_grid(values, midpoints):
+    """The E2M1 magnitudes on a number line (both signs), with the rounding boundaries between them."""
+    fig, ax = plt.subplots(figsize=(9, 1.8))
+    pts = sorted({-v for v in values} | set(values))
+    ax.axhline(0, color="#999", lw=1)
+    ax.plot(pts, [0] * len(pts), "o", color="#4e79a7", ms=8, zorder=3)
+    for m in midpoints:
+        for x in (m, -m):
+            ax.axvline(x, color="#e15759", lw=0.8, ls=":", ymin=0.3, ymax=0.7)
+    for v in pts:
+        ax.annotate(f"{v:g}", (v, 0), textcoords="offset points", xytext=(0, 9), ha="center", fontsize=8)
+    ax.set_yticks([])
+    ax.set_xlim(-6.6, 6.6)
+    ax.set_title("E2M1: the 15 distinct values (dots) and the rounding boundaries between them (dotted)")
+    for side in ("left", "right", "top"):
+        ax.spines[side].set_visible(False)
+    fig.tight_layout()
+    return fig
