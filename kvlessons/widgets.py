@@ -75,23 +75,28 @@ def show_cache_step(trace, step, tokenizer, layers, prompt_len) -> None:
     display(HTML(cache_step_html(trace, step, tokenizer, layers, prompt_len)))
 
 
-def cache_growth_widget(trace, tokenizer, layers: int, prompt_len: int, interval_ms: int = 700):
-    """A play button and a step slider over a traced generation; returns the widget box."""
+def stepper_widget(n_steps: int, render_html, interval_ms: int = 700):
+    """A play button linked to a step slider over ``n_steps`` states; ``render_html(step)`` draws one."""
     import ipywidgets as w
 
-    play = w.Play(value=0, min=0, max=len(trace) - 1, step=1, interval=interval_ms, description="play")
-    slider = w.IntSlider(value=0, min=0, max=len(trace) - 1, description="step")
+    play = w.Play(value=0, min=0, max=n_steps - 1, step=1, interval=interval_ms, description="play")
+    slider = w.IntSlider(value=0, min=0, max=n_steps - 1, description="step")
     w.jslink((play, "value"), (slider, "value"))
     view = w.HTML()
 
     def render(change=None):
-        view.value = cache_step_html(trace, slider.value, tokenizer, layers, prompt_len)
+        view.value = render_html(slider.value)
 
     slider.observe(render, names="value")
     render()
     box = w.VBox([w.HBox([play, slider]), view])
     box.slider, box.view = slider, view  # handles for tests
     return box
+
+
+def cache_growth_widget(trace, tokenizer, layers: int, prompt_len: int, interval_ms: int = 700):
+    """A play button and a step slider over a traced generation; returns the widget box."""
+    return stepper_widget(len(trace), lambda step: cache_step_html(trace, step, tokenizer, layers, prompt_len), interval_ms)
 
 
 # --- the memory estimator (lesson 02) ----------------------------------------------------------
@@ -262,3 +267,56 @@ def head_groups_widget(q_heads: int = 8, kv_heads: int = 2):
     box = w.VBox([w.HBox([q, kv]), view])
     box.q_heads, box.kv_heads, box.view = q, kv, view  # handles for tests
     return box
+
+
+# --- block tables (lesson 06) ------------------------------------------------------------------
+
+_OWNER_COLOURS = {"A": "#4e79a7", "B": "#f28e2b", "C": "#59a14f", "D": "#b07aa1", "E": "#e15759", "F": "#76b7b2"}
+
+
+def block_table_html(snapshot: dict) -> str:
+    """One snapshot of :func:`kvlessons.paging.block_scenario`: the pool coloured by owner, and every table."""
+    owners: dict[int, list[str]] = {}
+    fill: dict[int, int] = {}
+    bs = snapshot["block_size"]
+    for name, seq in snapshot["sequences"].items():
+        for i, b in enumerate(seq["table"]):
+            owners.setdefault(b, []).append(name)
+            fill[b] = max(fill.get(b, 0), min(bs, max(0, seq["length"] - i * bs)))
+    cells = []
+    for b in range(snapshot["num_blocks"]):
+        names = owners.get(b, [])
+        if not names:
+            style, label = "background:#f2f2f2;color:#999;border:1px dashed #bbb;", "free"
+        elif len(names) == 1:
+            style, label = f"background:{_OWNER_COLOURS.get(names[0], '#888')};color:white;border:1px solid #333;", names[0]
+        else:
+            colours = [_OWNER_COLOURS.get(n, "#888") for n in names]
+            stops = ",".join(f"{c} {i * 100 // len(colours)}% {(i + 1) * 100 // len(colours)}%" for i, c in enumerate(colours))
+            style = f"background:linear-gradient(90deg,{stops});color:white;border:2px solid #000;"
+            label = "+".join(names) + f" (x{snapshot['ref_counts'][b]})"
+        slots = f"{fill.get(b, 0)}/{bs}" if names else ""
+        cells.append(
+            f'<div data-block="{b}" data-owners="{"+".join(names)}" style="display:inline-block;width:8.6em;margin:2px;'
+            f'padding:3px;border-radius:4px;font-family:monospace;font-size:85%;text-align:center;{style}">'
+            f"#{b} {html.escape(label)}<br>{slots}</div>"
+        )
+    rows = "".join(
+        f"<tr><td style='padding-right:10px'><b>{html.escape(n)}</b></td><td>{s['length']} tokens</td>"
+        f"<td style='padding-left:10px;font-family:monospace'>{s['table']}</td></tr>"
+        for n, s in snapshot["sequences"].items()
+    )
+    held, used = snapshot["held"], snapshot["used"]
+    waste = f"{(held - used) / held:.0%}" if held else "0%"
+    return (
+        f"<div><b>{html.escape(snapshot['event'])}</b></div>"
+        f"<div style='margin:6px 0'>{''.join(cells)}</div>"
+        f"<table><tr><th align=left>seq</th><th align=left>length</th><th align=left>block table</th></tr>{rows}</table>"
+        f"<div style='margin-top:4px'>slots used {used} of {held} held ({waste} waste); "
+        f"{snapshot['ref_counts'].count(0)} of {snapshot['num_blocks']} blocks free</div>"
+    )
+
+
+def block_table_widget(snapshots: list[dict], interval_ms: int = 1200):
+    """Step through a block-table scenario with play and a slider."""
+    return stepper_widget(len(snapshots), lambda step: block_table_html(snapshots[step]), interval_ms)

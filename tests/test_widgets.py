@@ -126,3 +126,20 @@ def test_head_groups_widget_only_offers_divisors():
     box.q_heads.value = 12
     box.kv_heads.value = 3
     assert "3 KV heads" in box.view.value
+
+
+# --- block tables (lesson 06) ------------------------------------------------------------------
+
+
+def test_block_table_html_marks_owners_and_sharing():
+    from kvlessons.paging import block_scenario
+    from kvlessons.widgets import block_table_html, block_table_widget
+
+    snaps = block_scenario(num_blocks=12, block_size=4)
+    fork = next(s for s in snaps if "forked" in s["event"])
+    page = block_table_html(fork)
+    assert page.count("data-block=") == 12
+    assert 'data-owners="A+C"' in page and "(x2)" in page
+    box = block_table_widget(snaps)
+    box.slider.value = len(snaps) - 1
+    assert "A finishes" in box.view.value
