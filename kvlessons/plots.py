@@ -150,3 +150,25 @@ def plot_e2m1_grid(values, midpoints):
         ax.spines[side].set_visible(False)
     fig.tight_layout()
     return fig
+
+
+def plot_simulation(results: dict):
+    """Three panels over time for each simulated policy: slots held vs used, running sequences, fragmentation."""
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+    for (name, r), colour in zip(results.items(), ["#e15759", "#f28e2b", "#4e79a7", "#59a14f"]):
+        steps = range(len(r.held))
+        axes[0].plot(steps, [h / r.capacity for h in r.held], color=colour, lw=1, label=f"{name}: held")
+        axes[0].plot(steps, [u / r.capacity for u in r.used], color=colour, lw=1, ls=":", label=f"{name}: used")
+        axes[1].plot(steps, r.running, color=colour, lw=1, label=name)
+        axes[2].plot(steps, r.fragmentation(), color=colour, lw=1, label=name)
+    axes[0].set_ylabel("share of the budget")
+    axes[0].set_title("slots held (solid) and used (dotted)")
+    axes[1].set_title("sequences running")
+    axes[2].set_title("free slots outside the largest free run")
+    for ax in axes:
+        ax.set_xlabel("decode step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=6)
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    return fig
