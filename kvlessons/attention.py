@@ -74,5 +74,33 @@ def attend(
         raise ValueError(f"query heads ({h_q}) must be a multiple of KV heads ({h_kv})")
     if mask is None and (t > 1 or window is not None):
         mask = causal_mask(t, s, device=q.device, window=window)
+    elif mask is not None and window is not None:
+        mask = mask & causal_mask(t, s, device=q.device, window=window)
     # enable_gqa lets SDPA read each KV head for its whole group of query heads.
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=h_q != h_kv)
+
+
+def positions_from_padding(pad_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids (B, S) for a left-padded batch: each row counts only its real tokens.
+
+    ``pad_mask`` (B, S) is True for real tokens. The first real token of every row gets
+    position 0 (cumsum - 1); pads get 0 too, and are never attended to.
+    """
+    if pad_mask.dim() != 2 or pad_mask.dtype != torch.bool:
+        raise ValueError("pad_mask must be a bool tensor (batch, tokens), True for real tokens")
+    return (pad_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def padded_causal_mask(pad_mask: torch.Tensor, q_len: int) -> torch.Tensor:
+    """Mask (B, 1, q_len, S) for the last ``q_len`` of S positions: causal, and no query sees a pad.
+
+    A pad query would then see nothing at all (a softmax over nothing is NaN), so it is
+    allowed to see itself; its output is never read by a real token.
+    """
+    if pad_mask.dim() != 2 or pad_mask.dtype != torch.bool:
+        raise ValueError("pad_mask must be a bool tensor (batch, tokens), True for real tokens")
+    s = pad_mask.shape[1]
+    causal = causal_mask(q_len, s, device=pad_mask.device)  # (T, S)
+    itself = torch.zeros_like(causal)
+    itself[torch.arange(q_len), torch.arange(s - q_len, s)] = True
+    return causal & (pad_mask[:, None, None, :] | itself)  # (B, 1, T, S)

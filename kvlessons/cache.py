@@ -50,6 +50,7 @@ class LayerCache:
 
     def __init__(self):
         self.seq_len = 0  # tokens appended to this layer; an explicit counter, never read off the data
+        self.bytes_written = 0  # bytes of K/V memory written by updates (copies included)
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k, v`` (B, H_kv, T, D) after what is held; return all held K and V."""
@@ -102,6 +103,7 @@ class ConcatLayer(LayerCache):
                 )
             self._k = torch.cat([self._k, k], dim=2)
             self._v = torch.cat([self._v, v], dim=2)
+        self.bytes_written += self._k.nbytes + self._v.nbytes  # cat writes the whole new tensor
         self.seq_len += k.shape[2]
         return self._k, self._v
 
@@ -164,6 +166,7 @@ class StaticLayer(LayerCache):
         with torch.no_grad():  # the cache stores values, it is not part of a training graph
             self._k[:, :, start : start + t] = k
             self._v[:, :, start : start + t] = v
+        self.bytes_written += k.nbytes + v.nbytes  # only the new positions
         self.seq_len += t
         return self.keys, self.values
 
@@ -350,6 +353,10 @@ class KVCache:
     def nbytes(self) -> int:
         """Bytes of memory held for K and V, summed over layers."""
         return sum(layer.nbytes() for layer in self.layers())
+
+    def bytes_written(self) -> int:
+        """Bytes of K/V memory written so far by all layers (a concatenating cache rewrites everything)."""
+        return sum(layer.bytes_written for layer in self.layers())
 
     def reset(self) -> None:
         """Empty every layer and restart positions at 0."""

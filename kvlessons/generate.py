@@ -40,13 +40,16 @@ def _check_prompt(prompt_ids: torch.Tensor) -> None:
 
 
 @torch.inference_mode()
-def generate(model, prompt_ids: torch.Tensor, max_new_tokens: int, cache: KVCache | None = None) -> Generation:
+def generate(model, prompt_ids: torch.Tensor, max_new_tokens: int, cache: KVCache | None = None,
+             pad_mask: torch.Tensor | None = None) -> Generation:
     """Greedily extend ``prompt_ids`` (B, P) by ``max_new_tokens`` tokens.
 
     With ``cache=None`` every step re-runs the model over the whole sequence so far
     (the recompute baseline). With a cache, the prompt is read once (prefill) and each
     later step feeds only the newest token (decode). The prompt is appended after
     whatever the cache already holds: pass an empty (or ``reset()``) cache to start over.
+    ``pad_mask`` (B, P), True for real tokens, generates a left-padded batch; it is
+    extended by one real token per step.
     """
     _check_prompt(prompt_ids)
     require_positive_int("max_new_tokens", max_new_tokens, allow_zero=True)
@@ -54,11 +57,14 @@ def generate(model, prompt_ids: torch.Tensor, max_new_tokens: int, cache: KVCach
     tokens = prompt_ids
     fed = prompt_ids
     new, logits, times, lengths = [], [], [], []
+    if pad_mask is not None and cache is not None and cache.seq_len:
+        raise ValueError("a padded prompt must start from an empty cache")
     for _ in range(max_new_tokens):
         inputs = tokens if cache is None else fed
+        extra = {} if pad_mask is None else {"pad_mask": pad_mask}
         synchronize(dev)
         t0 = time.perf_counter()
-        out = model(inputs, cache=cache, last_only=True)[:, -1]  # (B, vocab): only the last position predicts
+        out = model(inputs, cache=cache, last_only=True, **extra)[:, -1]  # (B, vocab): only the last position predicts
         nxt = out.argmax(dim=-1, keepdim=True)  # (B, 1)
         synchronize(dev)
         times.append(time.perf_counter() - t0)
@@ -67,6 +73,8 @@ def generate(model, prompt_ids: torch.Tensor, max_new_tokens: int, cache: KVCach
         new.append(nxt)
         tokens = torch.cat([tokens, nxt], dim=1)
         fed = nxt
+        if pad_mask is not None:
+            pad_mask = torch.cat([pad_mask, pad_mask.new_ones(pad_mask.shape[0], 1)], dim=1)
     b = prompt_ids.shape[0]
     new_tokens = torch.cat(new, dim=1) if new else prompt_ids.new_empty(b, 0)
     all_logits = torch.stack(logits, dim=1) if logits else torch.empty(b, 0, 0, device=dev)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .attention import attend
+from .attention import attend, padded_causal_mask, positions_from_padding
 from .cache import ConcatCache, KVCache, LayerCache
 from .rope import apply_rope, rope_tables
 from .shape import ModelShape, require_positive_int
@@ -103,13 +103,15 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         return q, apply_rope(k, cos, sin), v  # rotate before caching: the cache holds rotated keys
 
-    def forward(self, x, cos, sin, layer_cache: LayerCache | None = None, kv=None):
+    attend_fn = staticmethod(attend)  # the one attention call (lesson 07 swaps in broken ones)
+
+    def forward(self, x, cos, sin, layer_cache: LayerCache | None = None, kv=None, mask=None):
         """Return (output (B, T, hidden), (k_all, v_all)); ``kv`` is the owner's K/V for a sharing layer."""
         b, t, _ = x.shape
         q, k, v = self.project(x, cos, sin)
         if kv is None:
             kv = layer_cache.update(k, v)  # (B, H_kv, S, D), S = cached + T
-        out = attend(q, *kv, window=self.window)  # bottom-right causal mask when T > 1
+        out = self.attend_fn(q, *kv, mask=mask, window=self.window)  # bottom-right causal mask when T > 1
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), kv
 
 
@@ -134,9 +136,9 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, layer_cache=None, kv=None):
+    def forward(self, x, cos, sin, layer_cache=None, kv=None, mask=None):
         """Return (new x, the K/V this layer attended over)."""
-        h, kv = self.attn(self.attn_norm(x), cos, sin, layer_cache, kv)
+        h, kv = self.attn(self.attn_norm(x), cos, sin, layer_cache, kv, mask)
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), kv
 
@@ -180,44 +182,60 @@ class TinyDecoder(nn.Module):
     def device(self) -> torch.device:
         return self.embed.weight.device
 
-    def forward(self, ids: torch.Tensor, cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, cache: KVCache | None = None, last_only: bool = False,
+                pad_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Return logits (B, T, vocab) for ``ids`` (B, T), appended after what ``cache`` holds.
 
         The new tokens take positions ``cache.seq_len .. cache.seq_len + T - 1``; their
         keys and values are added to the cache, and the cache advances by T. With
         ``cache=None`` the tokens are the whole sequence (positions from 0) and
         nothing is kept. ``last_only`` returns logits for the last position only
-        (B, 1, vocab), all generation needs.
+        (B, 1, vocab), all generation needs. ``pad_mask`` (B, cache.seq_len + T), True
+        for real tokens, serves left-padded batches: positions count real tokens only
+        and no token attends to a pad.
         """
-        cache, cos, sin, x = self.begin(ids, cache)
-        x = self.run_blocks(range(len(self.blocks)), x, cos, sin, cache)
+        cache, cos, sin, x, mask = self.begin(ids, cache, pad_mask)
+        x = self.run_blocks(range(len(self.blocks)), x, cos, sin, cache, mask=mask)
         cache.advance(ids.shape[1])  # once per forward pass, never once per layer
         return self.head(x[:, -1:] if last_only else x)
 
-    def begin(self, ids: torch.Tensor, cache: KVCache | None):
-        """Check ids and room; return (cache, cos, sin, embeddings) for positions from cache.seq_len."""
+    def positions(self, start: int, new_tokens: int, device=None) -> torch.Tensor:
+        """Positions of ``new_tokens`` tokens appended after ``start`` cached ones: start .. start + T - 1."""
+        return torch.arange(start, start + new_tokens, device=device)
+
+    def begin(self, ids: torch.Tensor, cache: KVCache | None, pad_mask: torch.Tensor | None = None):
+        """Check ids and room; return (cache, cos, sin, embeddings, attention mask or None)."""
         if ids.dim() != 2:
             raise ValueError(f"ids must be (batch, tokens), got shape {tuple(ids.shape)}")
         t = ids.shape[1]
         if t == 0:
             raise ValueError("ids must hold at least one token")
         cache = ConcatCache() if cache is None else cache
-        cache.check_room(t)  # refuse before any layer writes, so a full cache stays consistent
         start = cache.seq_len  # the one place positions come from
-        positions = torch.arange(start, start + t, device=ids.device)
+        mask = None
+        if pad_mask is None:
+            positions = self.positions(start, t, ids.device)
+        else:
+            if pad_mask.shape != (ids.shape[0], start + t):
+                raise ValueError(
+                    f"pad_mask must be (batch, cached + new tokens) = {(ids.shape[0], start + t)}, got {tuple(pad_mask.shape)}"
+                )
+            positions = positions_from_padding(pad_mask)[:, start:]  # (B, T): real tokens only
+            mask = padded_causal_mask(pad_mask, t)
+        cache.check_room(t)  # refuse before any layer writes, so a full cache stays consistent
         cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta)
         dtype = self.embed.weight.dtype
-        return cache, cos.to(dtype), sin.to(dtype), self.embed(ids)
+        return cache, cos.to(dtype), sin.to(dtype), self.embed(ids), mask
 
-    def run_blocks(self, indices, x, cos, sin, cache: KVCache, shared: dict | None = None):
+    def run_blocks(self, indices, x, cos, sin, cache: KVCache, shared: dict | None = None, mask=None):
         """Run the blocks at ``indices``; a layer that shares a cache reuses its owner's K/V of this pass."""
         shared = {} if shared is None else shared  # owner index -> (k_all, v_all) of this pass
         for i in indices:
             block, owner = self.blocks[i], self.shape.owner(i)
             if owner in shared:  # the owner already wrote this pass's K/V: read it, store nothing
-                x, _ = block(x, cos, sin, kv=shared[owner])
+                x, _ = block(x, cos, sin, kv=shared[owner], mask=mask)
             else:
-                x, shared[i] = block(x, cos, sin, layer_cache=cache.layer(i, window=block.attn.window))
+                x, shared[i] = block(x, cos, sin, layer_cache=cache.layer(i, window=block.attn.window), mask=mask)
         return x
 
     def head(self, x: torch.Tensor) -> torch.Tensor:

@@ -85,7 +85,7 @@ class YOCODecoder(TinyDecoder):
 
     def forward(self, ids: torch.Tensor, cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor:
         """Logits as TinyDecoder's; with ``last_only`` the upper half runs for the last position only."""
-        cache, cos, sin, x = self.begin(ids, cache)
+        cache, cos, sin, x, _ = self.begin(ids, cache)
         b, t, _ = x.shape
         half = len(self.blocks) // 2
         x = self.run_blocks(range(half), x, cos, sin, cache)  # self-decoder over every new token

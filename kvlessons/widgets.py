@@ -320,3 +320,57 @@ def block_table_html(snapshot: dict) -> str:
 def block_table_widget(snapshots: list[dict], interval_ms: int = 1200):
     """Step through a block-table scenario with play and a slider."""
     return stepper_widget(len(snapshots), lambda step: block_table_html(snapshots[step]), interval_ms)
+
+
+# --- mask explorer (lesson 07) -----------------------------------------------------------------
+
+
+def mask_grid_html(mask, title: str) -> str:
+    """A bool mask (queries down, keys across) as an HTML grid; rows labelled by absolute position."""
+    q_len, kv_len = mask.shape
+    head = "".join(f"<th style='font-weight:normal;font-size:75%;width:1.4em'>{j}</th>" for j in range(kv_len))
+    rows = []
+    for i in range(q_len):
+        cells = "".join(
+            f"<td data-on='{int(mask[i, j])}' style='width:1.4em;height:1.4em;border:1px solid #fff;"
+            f"background:{'#4e79a7' if mask[i, j] else '#e8e8e8'}'></td>"
+            for j in range(kv_len)
+        )
+        rows.append(f"<tr><th style='font-weight:normal;font-size:75%;padding-right:4px'>{kv_len - q_len + i}</th>{cells}</tr>")
+    return (f"<div style='display:inline-block;vertical-align:top;margin-right:24px'><div><b>{html.escape(title)}</b></div>"
+            f"<table style='border-collapse:collapse'><tr><th></th>{head}</tr>{''.join(rows)}</table></div>")
+
+
+def mask_explorer_html(q_len: int, kv_len: int) -> str:
+    """Top-left (is_causal=True) and bottom-right (correct with a cache) masks side by side, with a verdict."""
+    import torch
+
+    from .attention import causal_mask
+
+    right = causal_mask(q_len, kv_len)
+    top_left = torch.ones(q_len, kv_len, dtype=torch.bool).tril()
+    same = torch.equal(right, top_left)
+    verdict = ("identical: with no cache (q_len == kv_len) both alignments agree" if same else
+               f"different: is_causal=True hides {int((right & ~top_left).sum())} key(s) the queries are entitled to see")
+    return (mask_grid_html(top_left, "top-left: is_causal=True") + mask_grid_html(right, "bottom-right: causal_mask")
+            + f"<div style='margin-top:6px'>{q_len} new queries over {kv_len} keys: {verdict}</div>")
+
+
+def mask_explorer_widget(q_len: int = 3, kv_len: int = 8):
+    """Sliders for new queries and total keys (q_len <= kv_len always); both alignments drawn."""
+    import ipywidgets as w
+
+    kv = w.IntSlider(value=kv_len, min=1, max=16, description="kv_len")
+    q = w.IntSlider(value=min(q_len, kv_len), min=1, max=kv_len, description="q_len")
+    view = w.HTML()
+
+    def render(change=None):
+        q.max = kv.value  # q_len can never exceed kv_len, so no state is invalid
+        view.value = mask_explorer_html(min(q.value, kv.value), kv.value)
+
+    kv.observe(render, names="value")
+    q.observe(render, names="value")
+    render()
+    box = w.VBox([w.HBox([q, kv]), view])
+    box.q_len, box.kv_len, box.view = q, kv, view  # handles for tests
+    return box

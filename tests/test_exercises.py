@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from kvlessons import exercises
 from kvlessons.memory import SEED_EXAMPLE, kv_cache_bytes
@@ -107,3 +108,38 @@ def test_fp4_block_integer_rounding_is_diagnosed():
     assert FP4_BLOCK[8] / scale == -0.4 and codes[8] == 9  # -0.5
     fb = check_fp4_block(scale, _with(codes, 8, 8), packed)
     assert not fb.correct and "the grid is 0, 0.5, 1" in fb.message
+
+
+# --- lesson 07: fix the bug ----------------------------------------------------------------------
+
+from kvlessons.exercises import check_mask, check_positions  # noqa: E402
+
+
+def test_positions_checker():
+    assert check_positions(lambda c, n: list(range(c, c + n))).correct
+    assert check_positions(lambda c, n: torch.arange(c, c + n)).correct
+    cases = {
+        "start at position 0": lambda c, n: list(range(n)),
+        "skips position 7": lambda c, n: list(range(c + 1, c + n + 1)),
+        "reuses position 6": lambda c, n: list(range(c - 1, c + n - 1)),
+        "one per new token": lambda c, n: list(range(c, c + n + 1)),
+        "raised ZeroDivisionError": lambda c, n: 1 / 0,
+        "expected [12, 13, 14]": lambda c, n: [c] * n,
+    }
+    for words, fn in cases.items():
+        fb = check_positions(fn)
+        assert not fb.correct and words in fb.message, (words, fb.message)
+
+
+def test_mask_checker():
+    assert check_mask(lambda q, k: torch.ones(q, k, dtype=torch.bool).tril(k - q)).correct
+    cases = {
+        "aligned to the top left": lambda q, k: torch.ones(q, k, dtype=torch.bool).tril(),
+        "lets token 4 see token 5": lambda q, k: torch.ones(q, k, dtype=torch.bool),
+        "transposed": lambda q, k: torch.ones(k, q, dtype=torch.bool),
+        "hides token": lambda q, k: torch.ones(q, k, dtype=torch.bool).tril(k - q - 1),
+        "raised": lambda q, k: undefined_name,  # noqa: F821
+    }
+    for words, fn in cases.items():
+        fb = check_mask(fn)
+        assert not fb.correct and words in fb.message, (words, fb.message)

@@ -143,3 +143,17 @@ def test_block_table_html_marks_owners_and_sharing():
     box = block_table_widget(snaps)
     box.slider.value = len(snaps) - 1
     assert "A finishes" in box.view.value
+
+
+def test_mask_explorer_keeps_q_len_valid_and_compares():
+    from kvlessons.widgets import mask_explorer_html, mask_explorer_widget
+
+    page = mask_explorer_html(1, 5)
+    assert page.count("data-on='1'") == 1 + 5  # top-left sees key 0; bottom-right sees all 5
+    assert "hides 4 key(s)" in page
+    box = mask_explorer_widget(3, 8)
+    box.kv_len.value = 2
+    assert box.q_len.value <= 2 and "identical" in box.view.value
+    box.kv_len.value = 16
+    box.q_len.value = 4
+    assert "4 new queries over 16 keys" in box.view.value

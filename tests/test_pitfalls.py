@@ -1,0 +1,143 @@
+import pytest
+import torch
+
+from conftest import random_ids, small_model
+from kvlessons.attention import padded_causal_mask, positions_from_padding
+from kvlessons.cache import ConcatCache, StaticCache
+from kvlessons.generate import generate
+from kvlessons.pitfalls import (
+    BrokenAdvancePerLayer,
+    BrokenPositionsOffByOne,
+    BrokenPositionsRestart,
+    BrokenRopeAfterCache,
+    attend_fixed,
+    attend_is_causal_always,
+    attend_textbook,
+    broken_variant,
+    bytes_copied,
+    check_cache_consistency,
+    edit_and_continue,
+    first_token_divergence,
+    left_pad,
+    padded_batch_agreement,
+    with_attention,
+)
+
+BROKEN_CLASSES = [BrokenPositionsRestart, BrokenPositionsOffByOne, BrokenAdvancePerLayer, BrokenRopeAfterCache]
+
+
+def test_detector_passes_the_real_model(make_cache):
+    """The correct model passes the consistency check with every cache variant and chunking."""
+    model = small_model()
+    ids = random_ids(2, 20)
+    for chunks in (None, [20], [1] * 20, [7, 1, 12]):
+        report = check_cache_consistency(model, ids, chunks, cache=make_cache(20))
+        assert report.ok, report
+    assert "OK" in str(report)
+
+
+@pytest.mark.parametrize("attend_fn", [attend_is_causal_always, attend_textbook], ids=lambda f: f.__name__)
+def test_detector_catches_broken_masks(attend_fn):
+    """Both broken masks are caught on a multi-token append, right where the cache starts."""
+    model = small_model()
+    report = check_cache_consistency(with_attention(model, attend_fn), random_ids(2, 20), reference=model)
+    assert not report.ok and report.first_bad_position == 10
+    assert "MISMATCH" in str(report)
+    assert check_cache_consistency(with_attention(model, attend_fixed), random_ids(2, 20), reference=model).ok
+
+
+def test_textbook_mask_hides_in_one_token_decode():
+    """is_causal=(cache is None) is right for prefill + one-token decode; only a multi-token append exposes it."""
+    model = small_model()
+    broken = with_attention(model, attend_textbook)
+    ids = random_ids(1, 16)
+    assert check_cache_consistency(broken, ids, chunks=[8] + [1] * 8, reference=model).ok
+    assert not check_cache_consistency(broken, ids, chunks=[8, 4, 1, 1, 1, 1], reference=model).ok
+    assert not check_cache_consistency(with_attention(model, attend_is_causal_always), ids, chunks=[8] + [1] * 8, reference=model).ok
+
+
+@pytest.mark.parametrize("cls", BROKEN_CLASSES, ids=lambda c: c.__name__)
+def test_detector_catches_broken_positions(cls):
+    """Each position bug leaves the uncached pass correct and breaks the cached one from the cache's start."""
+    model = small_model()
+    broken = broken_variant(cls, model)
+    ids = random_ids(2, 20)
+    with torch.no_grad():
+        torch.testing.assert_close(broken(ids), model(ids), atol=1e-5, rtol=1e-5)  # hides without a cache
+    report = check_cache_consistency(broken, ids, reference=model)
+    assert not report.ok and report.first_bad_position == 10
+
+
+@pytest.mark.parametrize("cls", BROKEN_CLASSES, ids=lambda c: c.__name__)
+def test_broken_generation_diverges(cls):
+    """The bug changes generated tokens: the first divergence is found."""
+    model = small_model()
+    prompt = random_ids(1, 8)
+    good = generate(model, prompt, 20, cache=ConcatCache())
+    bad = generate(broken_variant(cls, model), prompt, 20, cache=ConcatCache())
+    assert first_token_divergence(good, bad) is not None
+    assert first_token_divergence(good, good) is None
+
+
+def test_edit_without_crop_is_stale_and_crop_fixes_it():
+    model = small_model()
+    ids = random_ids(1, 12)
+    stale = edit_and_continue(model, ids, position=4, new_token=7, crop=False)
+    fixed = edit_and_continue(model, ids, position=4, new_token=7, crop=True)
+    assert stale["max_error"] > 1e-2 and fixed["max_error"] < 1e-4
+    with pytest.raises(ValueError, match="position"):
+        edit_and_continue(model, ids, position=12, new_token=7, crop=True)
+
+
+def test_left_padded_batch_matches_each_prompt_alone(make_cache):
+    """Positions from the pad mask and pads masked out: every row generates what its prompt does alone."""
+    model = small_model()
+    prompts = [random_ids(1, n, seed=n)[0] for n in (3, 9, 6, 1)]
+    ids, mask = left_pad(prompts)
+    batch = generate(model, ids, 10, cache=make_cache(30), pad_mask=mask)
+    for i, p in enumerate(prompts):
+        alone = generate(model, p[None], 10, cache=ConcatCache())
+        assert torch.equal(batch.new_tokens[i], alone.new_tokens[0]), i
+    assert padded_batch_agreement(model, prompts, 10, "fixed") == [True] * 4
+
+
+def test_unmasked_pads_change_the_padded_rows():
+    model = small_model()
+    prompts = [random_ids(1, n, seed=n)[0] for n in (3, 9, 6)]
+    agreement = padded_batch_agreement(model, prompts, 10, "no_mask")
+    assert agreement[1]  # the longest prompt has no pads
+    assert not all(agreement)
+
+
+def test_positions_ignoring_padding_cancel_under_rope():
+    """With rotary positions, a constant per-row offset cancels (relative positions are unchanged)."""
+    model = small_model()
+    prompts = [random_ids(1, n, seed=n)[0] for n in (3, 9, 6)]
+    assert padded_batch_agreement(model, prompts, 10, "positions_ignore_padding") == [True] * 3
+
+
+def test_padding_helpers():
+    mask = torch.tensor([[False, False, True, True], [True, True, True, True]])
+    assert positions_from_padding(mask).tolist() == [[0, 0, 0, 1], [0, 1, 2, 3]]
+    m = padded_causal_mask(mask, 2)  # last 2 of 4 positions
+    assert m.shape == (2, 1, 2, 4)
+    assert m[0, 0].tolist() == [[False, False, True, False], [False, False, True, True]]
+    first = padded_causal_mask(mask, 4)[0, 0]
+    assert first[0].tolist() == [True, False, False, False]  # a pad query sees only itself: no NaN
+    with pytest.raises(ValueError, match="pad_mask"):
+        positions_from_padding(torch.ones(2, 3))
+    with pytest.raises(ValueError, match="pad_mask"):
+        small_model()(random_ids(2, 3), pad_mask=torch.ones(2, 4, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("steps", [0, 1, 5, 40])
+def test_bytes_written_counts_quadratic_and_linear(steps):
+    """A ConcatCache writes the whole cache every step; a StaticCache only the new token (counted vs formula)."""
+    model = small_model(q_heads=4, kv_heads=2)
+    per_token = 2 * 2 * 2 * 8 * 4  # K and V, 2 layers, 2 KV heads, head 8, fp32
+    prompt = random_ids(1, 3)
+    for kind, cache in (("concat", ConcatCache()), ("static", StaticCache(3 + steps + 1))):
+        generate(model, prompt, steps + 1, cache=cache)
+        assert cache.bytes_written() == bytes_copied(kind, steps, per_token, prompt_len=3)
+    with pytest.raises(ValueError, match="cache_kind"):
+        bytes_copied("ring", 3, 8)
