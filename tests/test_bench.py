@@ -33,7 +33,7 @@ def test_bad_mode_and_length():
 
 def test_cli_prints_table(capsys):
     """python -m kvlessons.bench prints the machine line and one row per length."""
-    bench.main(["--lengths", "8", "16", "--repeats", "1", "--paged-lengths", "32"])
+    bench.main(["--lengths", "8", "16", "--repeats", "1", "--paged-lengths", "32", "--no-real-model"])
     out = capsys.readouterr().out
     assert "torch" in out and "speedup" in out
     assert len([line for line in out.splitlines() if line.strip().startswith(("8 ", "16 "))]) == 2
@@ -43,3 +43,7 @@ def test_paged_decode_time_reports_both_and_the_ratio():
     t = bench.paged_decode_time(64, block_size=8, repeats=2)
     assert t["contiguous"] > 0 and t["paged"] > 0
     assert t["ratio"] == pytest.approx(t["paged"] / t["contiguous"])
+
+
+def test_copy_bandwidth_is_positive():
+    assert bench.copy_bandwidth(n_bytes=4 * 2**20, repeats=2) > 1e6  # more than a megabyte per second

@@ -163,7 +163,7 @@ def test_bad_inputs_raise(call, match):
 CHUNKINGS = {"whole": [24], "uneven": [7, 1, 12, 4], "decode": [8] + [1] * 16}
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "fp4_tensor"])
 @pytest.mark.parametrize("residual", [0, 5])
 @pytest.mark.parametrize("chunking", sorted(CHUNKINGS))
 def test_quantized_cache_bytes_equal_prediction(fmt, residual, chunking):
@@ -261,3 +261,29 @@ def test_attention_drift_and_rope_order_on_the_tiny_model():
     assert 0 <= fp4["weight_tv"] < 0.2
     order = rope_order_error(k_raw)
     assert set(order) == {"after_rope", "before_rope"} and all(0 < e < 0.3 for e in order.values())
+
+
+def test_fp4_per_tensor_is_worse_than_block_scales():
+    """One scale per tensor (fp4_tensor): 4 bits per value, and far more error on outlier keys than per-16 blocks."""
+    from kvlessons.fp4 import quantize_fp4_tensor
+
+    k = outlier_keys(64, 64)
+    q = quantize_fp4_tensor(k)
+    assert q.nbytes == k.numel() // 2 + 4
+    assert relative_error(k, q.dequantize()) > 2 * relative_error(k, quantize(k).dequantize())
+    with pytest.raises(ValueError, match="finite"):
+        quantize_fp4_tensor(torch.tensor([float("nan"), 1.0]))
+
+
+def test_passage_agreement_reports_top1_and_kl():
+    from kvlessons.fp4 import passage_agreement
+    from kvlessons.model import TinyConfig, TinyDecoder
+
+    model = TinyDecoder(TinyConfig()).eval()
+    ids = random_ids(1, 40, vocab=96)
+    full = passage_agreement(model, ids, 20, ConcatCache())
+    assert full["top1"] == 1.0 and full["kl"] < 1e-6
+    fp4 = passage_agreement(model, ids, 20, QuantizedCache("nvfp4"))
+    assert 0 < fp4["kl"] and 0.5 < fp4["top1"] <= 1
+    with pytest.raises(ValueError, match="prefill"):
+        passage_agreement(model, ids, 40, ConcatCache())

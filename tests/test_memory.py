@@ -145,7 +145,7 @@ def test_shared_layers_store_nothing():
 def test_dtype_table_bits():
     """Bits per value, scales included: NVFP4 and int4 4.5, MXFP4 4.25, FP8 8, bf16 16."""
     bits = {name: f.bits_per_value for name, f in DTYPES.items()}
-    assert bits == {"fp32": 32, "fp16": 16, "bf16": 16, "fp8": 8, "nvfp4": Fraction(9, 2), "mxfp4": Fraction(17, 4), "int4": Fraction(9, 2)}
+    assert bits == {"fp32": 32, "fp16": 16, "bf16": 16, "fp8": 8, "nvfp4": Fraction(9, 2), "fp4_tensor": 4, "mxfp4": Fraction(17, 4), "int4": Fraction(9, 2)}
 
 
 def test_fp4_bytes_account_for_scales():
