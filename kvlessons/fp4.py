@@ -487,6 +487,7 @@ def passage_agreement(model, ids: torch.Tensor, prefill: int, cache: KVCache) ->
         steps.append(model(ids[:, i : i + 1], cache=cache)[:, -1])
     cand = torch.stack(steps, dim=1)
     kl = torch.nn.functional.kl_div(cand.log_softmax(-1), reference.log_softmax(-1), log_target=True, reduction="none").sum(-1)
+    kl = kl.clamp_min(0)  # KL is never negative; rounding can make an exact match print as -0.0000
     return {
         "top1": (cand.argmax(-1) == reference.argmax(-1)).float().mean().item(),
         "kl": kl.mean().item(),

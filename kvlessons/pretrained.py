@@ -110,12 +110,14 @@ def from_hf(hf_model) -> TinyDecoder:
     return model.eval()
 
 
-def load_smollm2(device=None, dtype=torch.float32):
+def load_smollm2(device=None, dtype=torch.float32, source=None):
     """Return ``(model, tokenizer)``: SmolLM2-135M-Instruct in the kvlessons decoder, fully offline.
 
     The first call converts the GGUF through transformers (about a minute) and caches
-    the float32 weights; later calls load the cache. Raises ModelNotInstalledError,
-    naming the install command, when the model package is missing.
+    the float32 weights; later calls load the cache. ``source``: a transformers model
+    already loaded from the GGUF, converted instead of loading it again when the cache
+    is empty. Raises ModelNotInstalledError, naming the install command, when the model
+    package is missing.
     """
     weights = cache_dir() / "weights-fp32.pt"
     gguf = gguf_path()  # fails early and clearly when the package is missing
@@ -124,7 +126,7 @@ def load_smollm2(device=None, dtype=torch.float32):
         model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
         model.eval()
     else:
-        model = from_hf(load_hf_model())
+        model = from_hf(source if source is not None else load_hf_model())
         weights.parent.mkdir(parents=True, exist_ok=True)
         tmp = weights.with_suffix(".tmp")
         torch.save(model.state_dict(), tmp)

@@ -38,7 +38,7 @@ def peer():
 
 @pytest.fixture(scope="module")
 def ours(peer):
-    model, tokenizer = load_smollm2(device="cpu")  # from the local cache, or converted now
+    model, tokenizer = load_smollm2(device="cpu", source=peer)  # from the local cache, or converted from peer
     return model, tokenizer
 
 
