@@ -153,9 +153,18 @@ def dequantize(q: QuantizedTensor) -> torch.Tensor:
 
 def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
     """The per-tensor fp32 scale that maps the largest block scale to E4M3's maximum."""
-    amax = x.detach().abs().max().to(torch.float32)
-    scale = amax / (E2M1_MAX * E4M3_MAX)
-    return torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero tensor: any scale works
+    return _tensor_scale(x, None, E2M1_MAX * E4M3_MAX)
+
+
+def _tensor_scale(x: torch.Tensor, given, divisor: float) -> torch.Tensor:
+    """``given`` as a checked fp32 scalar, or by default amax(x) / divisor (1 for an all-zero tensor)."""
+    if given is None:
+        amax = x.detach().abs().max().to(torch.float32)
+        given = torch.where(amax > 0, amax / divisor, torch.ones_like(amax))  # all zeros: any scale works
+    scale = torch.as_tensor(given, dtype=torch.float32, device=x.device).reshape(())
+    if not torch.isfinite(scale) or scale <= 0:
+        raise ValueError(f"tensor_scale must be positive and finite, got {scale.item()}")
+    return scale
 
 
 def quantize(x: torch.Tensor, block: int = 16, tensor_scale: torch.Tensor | float | None = None) -> QuantizedTensor:
@@ -170,11 +179,7 @@ def quantize(x: torch.Tensor, block: int = 16, tensor_scale: torch.Tensor | floa
     _check_input(x, block)
     if x.shape[-1] % 2:
         raise ValueError(f"the last dimension must be even to pack two codes per byte, got {x.shape[-1]}")
-    if tensor_scale is None:
-        tensor_scale = nvfp4_tensor_scale(x)
-    tensor_scale = torch.as_tensor(tensor_scale, dtype=torch.float32, device=x.device).reshape(())
-    if not torch.isfinite(tensor_scale) or tensor_scale <= 0:
-        raise ValueError(f"tensor_scale must be positive and finite, got {tensor_scale.item()}")
+    tensor_scale = _tensor_scale(x, tensor_scale, E2M1_MAX * E4M3_MAX)
     x64 = x.detach().to(torch.float64)
     blocks = x64.reshape(*x.shape[:-1], -1, block)  # (..., n_blocks, block)
     amax = blocks.abs().amax(dim=-1)  # (..., n_blocks)
@@ -189,12 +194,7 @@ def quantize(x: torch.Tensor, block: int = 16, tensor_scale: torch.Tensor | floa
 def quantize_fp8(x: torch.Tensor, tensor_scale: torch.Tensor | float | None = None) -> QuantizedTensor:
     """Store ``x`` as E4M3 values times one fp32 tensor scale (default amax / 448); 1 byte per value + 4."""
     _check_input(x, 1)
-    if tensor_scale is None:
-        amax = x.detach().abs().max().to(torch.float32)
-        tensor_scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    tensor_scale = torch.as_tensor(tensor_scale, dtype=torch.float32, device=x.device).reshape(())
-    if not torch.isfinite(tensor_scale) or tensor_scale <= 0:
-        raise ValueError(f"tensor_scale must be positive and finite, got {tensor_scale.item()}")
+    tensor_scale = _tensor_scale(x, tensor_scale, E4M3_MAX)
     data = to_e4m3(x.detach().to(torch.float32) / tensor_scale)
     return QuantizedTensor("fp8", data, None, tensor_scale, x.shape, x.dtype)
 
@@ -207,12 +207,7 @@ def quantize_fp4_tensor(x: torch.Tensor, tensor_scale: torch.Tensor | float | No
     _check_input(x, 1)
     if x.shape[-1] % 2:
         raise ValueError(f"the last dimension must be even to pack two codes per byte, got {x.shape[-1]}")
-    if tensor_scale is None:
-        amax = x.detach().abs().max().to(torch.float32)
-        tensor_scale = torch.where(amax > 0, amax / E2M1_MAX, torch.ones_like(amax))
-    tensor_scale = torch.as_tensor(tensor_scale, dtype=torch.float32, device=x.device).reshape(())
-    if not torch.isfinite(tensor_scale) or tensor_scale <= 0:
-        raise ValueError(f"tensor_scale must be positive and finite, got {tensor_scale.item()}")
+    tensor_scale = _tensor_scale(x, tensor_scale, E2M1_MAX)
     codes = encode_e2m1(x.detach().to(torch.float64) / tensor_scale.to(torch.float64))
     return QuantizedTensor("fp4_tensor", pack_nibbles(codes), None, tensor_scale, x.shape, x.dtype)
 
@@ -287,8 +282,7 @@ class QuantizedLayer(LayerCache):
 
     def _quantize(self, x, which):
         if self.scales[which] is None:  # calibrate once, from the first block of tokens written
-            amax = x.detach().abs().max().float().cpu()
-            self.scales[which] = torch.where(amax > 0, amax / E2M1_MAX, torch.ones_like(amax))
+            self.scales[which] = _tensor_scale(x, None, E2M1_MAX).cpu()
         kwargs = {"tensor_scale": self.scales[which].to(x.device)}
         if self.fmt == "nvfp4":
             kwargs["block"] = self.block

@@ -211,6 +211,11 @@ class BlockTables:
             seq.tokens.extend(tokens)
         self._register_full_blocks(seq)
 
+    def append(self, seq_id: int, new_tokens: int = 1, tokens: list[int] | None = None) -> None:
+        """Reserve and count ``new_tokens`` positions (a block is taken only when the last one is full)."""
+        self.reserve(seq_id, new_tokens)
+        self.advance(seq_id, new_tokens, tokens)
+
     def _register_full_blocks(self, seq: _Sequence) -> None:
         if not self.prefix_sharing:
             return
@@ -381,6 +386,23 @@ class PagedKVCache(BlockTables):
         with torch.no_grad():
             self.k_pools[layer].view(nb * bs, h, d)[idx] = k[0].transpose(0, 1).to(self.k_pools[layer].dtype)
             self.v_pools[layer].view(nb * bs, h, d)[idx] = v[0].transpose(0, 1).to(self.v_pools[layer].dtype)
+
+    def append(self, seq_id: int, keys, values=None, tokens: list[int] | None = None) -> None:
+        """Append K/V for every cache layer: ``keys[i]``, ``values[i]`` shaped (1, H_kv, T, D), in layer order.
+
+        (``BlockTables.append(seq_id, n)`` counts positions without data; here the data is written.)
+        All or nothing: if the pool cannot hold the T tokens, nothing is written.
+        """
+        if isinstance(keys, int):  # the bookkeeping-only form
+            return super().append(seq_id, keys, tokens)
+        layers = list(self.k_pools)
+        if values is None or len(keys) != len(layers) or len(values) != len(layers):
+            raise ValueError(f"keys and values must give one (1, H_kv, T, D) tensor per cache layer ({len(layers)})")
+        t = keys[0].shape[2]
+        self.reserve(seq_id, t)
+        for layer, k, v in zip(layers, keys, values):
+            self.write(layer, seq_id, k, v)
+        self.advance(seq_id, t, tokens)
 
     def gather(self, layer: int, seq_id: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         seq = self._seq(seq_id)

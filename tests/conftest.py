@@ -38,3 +38,13 @@ def small_model(q_heads=4, kv_heads=2, seed=0, dev=None, **overrides):
 def random_ids(batch, length, vocab=50, seed=0, dev=None):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(vocab, (batch, length), generator=g).to(dev or "cpu")
+
+
+def feed_in_chunks(model, ids, sizes, cache):
+    """Logits of ``ids`` fed through ``cache`` in pieces of ``sizes`` tokens, concatenated (B, T, vocab)."""
+    pieces, start = [], 0
+    with torch.inference_mode():
+        for size in sizes:
+            pieces.append(model(ids[:, start : start + size], cache=cache))
+            start += size
+    return torch.cat(pieces, dim=1)

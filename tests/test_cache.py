@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from conftest import HEAD_LAYOUTS, random_ids, small_model
+from conftest import HEAD_LAYOUTS, feed_in_chunks, random_ids, small_model
 from kvlessons.cache import ConcatCache, StaticCache
 from kvlessons.generate import generate
 
@@ -22,13 +22,10 @@ def test_cached_equals_uncached(make_cache, layout, chunking, dev):
     ids = random_ids(2, 23, dev=dev)
     with torch.inference_mode():
         reference = model(ids)  # (B, T, vocab), no cache: positions 0..T-1 in one pass
-        cache = make_cache(23)
-        pieces, start = [], 0
-        for size in CHUNKINGS[chunking]:
-            pieces.append(model(ids[:, start : start + size], cache=cache))
-            start += size
+    cache = make_cache(23)
+    got = feed_in_chunks(model, ids, CHUNKINGS[chunking], cache)
     assert cache.seq_len == 23
-    torch.testing.assert_close(torch.cat(pieces, dim=1), reference, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, reference, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("layout", sorted(HEAD_LAYOUTS))
@@ -173,11 +170,8 @@ def test_windowed_cached_equals_uncached(make_cache, windows, chunking, dev):
     ids = random_ids(2, 23, dev=dev)
     with torch.inference_mode():
         reference = model(ids)
-        cache, pieces, start = make_cache(23), [], 0
-        for size in CHUNKINGS[chunking]:
-            pieces.append(model(ids[:, start : start + size], cache=cache))
-            start += size
-    torch.testing.assert_close(torch.cat(pieces, dim=1), reference, atol=1e-5, rtol=1e-5)
+    got = feed_in_chunks(model, ids, CHUNKINGS[chunking], make_cache(23))
+    torch.testing.assert_close(got, reference, atol=1e-5, rtol=1e-5)
 
 
 def test_window_changes_the_output(dev):

@@ -256,3 +256,27 @@ def test_block_scenario_events():
     assert fork["sequences"]["A"]["table"] == fork["sequences"]["C"]["table"]
     d = next(s for s in snaps if s["event"].startswith("D arrives"))
     assert "reusing 8" in d["event"] and max(d["ref_counts"]) == 3
+
+
+def test_append_writes_every_layer_and_reads_back():
+    """PagedKVCache.append stores K/V for all layers; gather returns them in order; blocks only when full."""
+    from kvlessons import ModelShape
+
+    shape = ModelShape(layers=2, q_heads=2, kv_heads=1, head_dim=4)
+    paged = PagedKVCache(shape, num_blocks=4, block_size=2)
+    sid, _ = paged.add_sequence()
+    ks = [torch.randn(1, 1, 3, 4) for _ in range(2)]
+    vs = [torch.randn(1, 1, 3, 4) for _ in range(2)]
+    paged.append(sid, ks, vs)
+    assert len(paged.sequences[sid].table) == 2 and paged.sequences[sid].length == 3
+    for layer in (0, 1):
+        k, v = paged.gather(layer, sid, 3)
+        assert torch.equal(k, ks[layer]) and torch.equal(v, vs[layer])
+    paged.append(sid, 1)  # bookkeeping form: fills the second block without a new one
+    assert len(paged.sequences[sid].table) == 2
+    with pytest.raises(ValueError, match="one"):
+        paged.append(sid, ks[:1], vs[:1])
+    t = BlockTables(4, 2)
+    s2, _ = t.add_sequence()
+    t.append(s2, 3)
+    assert t.sequences[s2].length == 3 and len(t.sequences[s2].table) == 2

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from conftest import random_ids
+from conftest import feed_in_chunks, random_ids
 from kvlessons.cache import ConcatCache, StaticCache
 from kvlessons.generate import count_kv_work, generate
 from kvlessons.memory import kv_cache_bytes
@@ -27,11 +27,8 @@ def test_shared_cached_equals_uncached(make_cache, name, chunking, dev):
     ids = random_ids(2, 23, dev=dev)
     with torch.inference_mode():
         reference = model(ids)
-        cache, pieces, start = make_cache(23), [], 0
-        for size in CHUNKINGS[chunking]:
-            pieces.append(model(ids[:, start : start + size], cache=cache))
-            start += size
-    torch.testing.assert_close(torch.cat(pieces, dim=1), reference, atol=1e-5, rtol=1e-5)
+    got = feed_in_chunks(model, ids, CHUNKINGS[chunking], make_cache(23))
+    torch.testing.assert_close(got, reference, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", sorted(SHARED_MODELS))
