@@ -12,14 +12,15 @@ CELL_TIMEOUT ?= 300
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 NBVAL     := --nbval-lax --nbval-current-env --nbval-cell-timeout=$(CELL_TIMEOUT)
 
-.PHONY: lab test test-unit test-notebooks test-gpu execute bench env clean help
+.PHONY: lab test test-unit test-notebooks test-gpu execute bench student env clean help
 
 help:
 	@echo "make lab    - create .venv if needed and open the course in JupyterLab"
 	@echo "make test   - create .venv if needed, run unit tests, re-execute every notebook (nbval)"
 	@echo "make test-gpu - the same on CUDA (KVLESSONS_DEVICE=cuda)"
 	@echo "make execute  - re-run every notebook in place, saving fresh outputs"
-	@echo "make bench    - decode time per token: recompute vs cache"
+	@echo "make bench    - the benchmarks (decode with/without cache, paged attention, SmolLM2 vs transformers)"
+	@echo "make student  - write student copies of the lessons to student/ (solutions replaced by stubs)"
 
 $(STAMP): requirements.txt requirements-model.txt pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -55,5 +56,8 @@ execute: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m kvlessons.bench
 
+student: $(STAMP)
+	$(BIN)/python -m kvlessons.student student
+
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache build *.egg-info student

@@ -8,7 +8,8 @@ Notebooks explain and call; this package computes. Modules, one per idea:
 """
 
 from ._device import device, synchronize
+from .environment import check_environment
 from .shape import ModelShape
 
-__all__ = ["ModelShape", "device", "synchronize", "__version__"]
+__all__ = ["ModelShape", "check_environment", "device", "synchronize", "__version__"]
 __version__ = "0.1.0"
