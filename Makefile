@@ -12,7 +12,7 @@ CELL_TIMEOUT ?= 300
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 NBVAL     := --nbval-lax --nbval-current-env --nbval-cell-timeout=$(CELL_TIMEOUT)
 
-.PHONY: lab test test-unit test-notebooks test-gpu execute bench student env clean help
+.PHONY: lab test test-unit test-notebooks test-gpu execute bench student site env clean help
 
 help:
 	@echo "make lab    - create .venv if needed and open the course in JupyterLab"
@@ -21,6 +21,7 @@ help:
 	@echo "make execute  - re-run every notebook in place, saving fresh outputs"
 	@echo "make bench    - the benchmarks (decode with/without cache, paged attention, SmolLM2 vs transformers)"
 	@echo "make student  - write student copies of the lessons to student/ (solutions replaced by stubs)"
+	@echo "make site     - a static HTML site of the executed lessons in _site/ (open _site/index.html)"
 
 $(STAMP): requirements.txt requirements-model.txt pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -59,5 +60,9 @@ bench: $(STAMP)
 student: $(STAMP)
 	$(BIN)/python -m kvlessons.student student
 
+site: $(STAMP)
+	$(BIN)/python -m kvlessons.site _site
+	@echo "open _site/index.html"
+
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info student
+	rm -rf $(VENV) .pytest_cache build *.egg-info student _site
