@@ -1,0 +1,104 @@
+"""The memory estimator in a real browser: JupyterLab headless, Debian's Chromium driven by Playwright.
+
+Skipped, with the reason, where Chromium or Playwright is missing; `.ci/run` installs
+Chromium so CI always runs it. The screenshot lands in test-output/browser/.
+"""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+SHOTS = ROOT / "test-output" / "browser"
+
+try:
+    from playwright.sync_api import sync_playwright
+except ImportError:  # pragma: no cover - depends on the environment
+    sync_playwright = None
+
+pytestmark = [
+    pytest.mark.skipif(CHROMIUM is None, reason="Chromium not installed (Debian package 'chromium'; .ci/run installs it)"),
+    pytest.mark.skipif(sync_playwright is None, reason="playwright (Python) not installed; `make` installs it"),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def lab(tmp_path):
+    """A headless JupyterLab on a copy of the lessons (the committed notebooks are never touched)."""
+    shutil.copytree(ROOT / "notebooks", tmp_path / "notebooks")
+    port, token = _free_port(), "kvlessons-browser-test"
+    cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
+           f"--IdentityProvider.token={token}", f"--notebook-dir={tmp_path / 'notebooks'}"]
+    if os.geteuid() == 0:
+        cmd.append("--allow-root")
+    log = open(tmp_path / "lab.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 90
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
+            break
+        except OSError:
+            time.sleep(0.5)
+    else:
+        proc.terminate()
+        pytest.fail("JupyterLab did not start: " + (tmp_path / "lab.log").read_text()[-2000:])
+    yield base, token
+    proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def test_estimator_slider_updates_the_total_in_a_browser(lab):
+    """Run lesson 02 in JupyterLab, set the estimator's context to 8,192 tokens, and read 8 GiB."""
+    base, token = lab
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM, headless=True,
+            args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync"],
+        )
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.set_default_timeout(120_000)
+        page.goto(f"{base}/lab/tree/02_memory_math.ipynb?token={token}")
+        page.locator(".jp-Notebook").first.wait_for()
+        page.get_by_text("Python 3 (ipykernel) | Idle").wait_for()  # the kernel is up before we run anything
+        page.get_by_role("menuitem", name="Run", exact=True).click()
+        page.get_by_text("Run All Cells", exact=True).click()
+        view = page.locator(".widget-html-content", has_text="Estimated KV cache").first
+        view.wait_for(state="attached")  # JupyterLab renders off-screen cells lazily: attach, then scroll to it
+        view.scroll_into_view_if_needed()
+        assert "4 GiB" in view.inner_text()  # the default: 32 layers, 8 KV heads, 128 wide, 4,096 tokens, 8 sequences
+        slider = page.locator(".widget-slider", has=page.locator("label", has_text="seq_len")).first
+        readout = slider.locator(".widget-readout")
+        readout.scroll_into_view_if_needed()
+        readout.click()
+        page.keyboard.press("Control+A")
+        page.keyboard.type("8192")
+        page.keyboard.press("Enter")
+        page.wait_for_function(
+            "() => [...document.querySelectorAll('.widget-html-content')].some(e => e.innerText.includes('8,192 tokens'))"
+        )
+        text = view.inner_text()
+        view.scroll_into_view_if_needed()
+        page.screenshot(path=str(SHOTS / "estimator-8192.png"))
+        browser.close()
+    assert "Estimated KV cache: 8 GiB for 8 sequences of 8,192 tokens" in text
