@@ -23,11 +23,16 @@ import torch
 from .shape import require_positive_int
 
 
-def _check_kv(k: torch.Tensor, v: torch.Tensor) -> None:
+def _check_kv(k: torch.Tensor, v: torch.Tensor, held: torch.Tensor | None = None) -> None:
+    """k and v are (B, H_kv, T, D) alike, and match what a layer already ``held`` (but for T)."""
     if k.dim() != 4:
         raise ValueError(f"k must be (batch, kv_heads, tokens, head_dim), got shape {tuple(k.shape)}")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if held is not None and (k.shape[:2] != held.shape[:2] or k.shape[3] != held.shape[3]):
+        raise ValueError(
+            f"new k {tuple(k.shape)} does not match the cached (batch, kv_heads, _, head_dim) {tuple(held.shape)}"
+        )
 
 
 def _check_crop(length: int, held: int) -> None:
@@ -92,15 +97,10 @@ class ConcatLayer(LayerCache):
         self._v: torch.Tensor | None = None
 
     def update(self, k, v):
-        _check_kv(k, v)
+        _check_kv(k, v, self._k)
         if self._k is None:
             self._k, self._v = k, v
         else:
-            if k.shape[:2] != self._k.shape[:2] or k.shape[3] != self._k.shape[3]:
-                raise ValueError(
-                    f"new k {tuple(k.shape)} does not match the cached (batch, kv_heads, _, head_dim) "
-                    f"{tuple(self._k.shape)}"
-                )
             self._k = torch.cat([self._k, k], dim=2)
             self._v = torch.cat([self._v, v], dim=2)
         self.bytes_written += self._k.nbytes + self._v.nbytes  # cat writes the whole new tensor
@@ -147,7 +147,7 @@ class StaticLayer(LayerCache):
         _check_capacity(self.max_len, self.seq_len, new_tokens)
 
     def update(self, k, v):
-        _check_kv(k, v)
+        _check_kv(k, v, self._k)
         t = k.shape[2]
         self.check_room(t)
         if self._k is None:
@@ -157,11 +157,6 @@ class StaticLayer(LayerCache):
             with torch.inference_mode(False):
                 self._k = torch.zeros(b, h, self.max_len, d, dtype=k.dtype, device=k.device)
                 self._v = torch.zeros(b, h, self.max_len, d, dtype=v.dtype, device=v.device)
-        elif k.shape[:2] != self._k.shape[:2] or k.shape[3] != self._k.shape[3]:
-            raise ValueError(
-                f"new k {tuple(k.shape)} does not match the buffer (batch, kv_heads, _, head_dim) "
-                f"{tuple(self._k.shape)}"
-            )
         start = self.seq_len
         with torch.no_grad():  # the cache stores values, it is not part of a training graph
             self._k[:, :, start : start + t] = k
@@ -261,13 +256,8 @@ class SlidingWindowLayer(LayerCache):
         self._first = max(self._first, end - self.window)
 
     def update(self, k, v):
-        _check_kv(k, v)
         old_k, old_v = self.keys, self.values
-        if old_k is not None and (k.shape[:2] != old_k.shape[:2] or k.shape[3] != old_k.shape[3]):
-            raise ValueError(
-                f"new k {tuple(k.shape)} does not match the cached (batch, kv_heads, _, head_dim) "
-                f"{tuple(old_k.shape)}"
-            )
+        _check_kv(k, v, old_k)
         k_all = k if old_k is None else torch.cat([old_k, k], dim=2)
         v_all = v if old_v is None else torch.cat([old_v, v], dim=2)
         self._write(self.seq_len, k, v)

@@ -305,10 +305,7 @@ class QuantizedLayer(LayerCache):
         return self._full(1)
 
     def update(self, k, v):
-        _check_kv(k, v)
-        old = self._tail[0] if self._tail[0] is not None else self._cache[0]
-        if old is not None and (k.shape[:2] != old.shape[:2] or k.shape[3] != old.shape[3]):
-            raise ValueError(f"new k {tuple(k.shape)} does not match the cached (batch, kv_heads, _, head_dim) {tuple(old.shape)}")
+        _check_kv(k, v, self._tail[0] if self._tail[0] is not None else self._cache[0])
         for which, x in enumerate((k, v)):
             tail = x if self._tail[which] is None else torch.cat([self._tail[which], x], dim=2)
             spill = tail.shape[2] - self.residual
@@ -377,7 +374,7 @@ class QuantizedCache(KVCache):
 # What quantization does to attention and to generated text
 # ---------------------------------------------------------------------------------------------
 
-from .attention import attend, causal_mask  # noqa: E402
+from .attention import attend, causal_mask, repeat_kv  # noqa: E402
 from .rope import apply_rope, rope_tables  # noqa: E402
 
 
@@ -400,7 +397,7 @@ def attention_drift(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: str 
     mask = causal_mask(t, s, device=q.device)
 
     def weights(keys):
-        scores = q @ keys.repeat_interleave(g, dim=1).transpose(-1, -2) / q.shape[-1] ** 0.5
+        scores = q @ repeat_kv(keys, g).transpose(-1, -2) / q.shape[-1] ** 0.5
         return scores.masked_fill(~mask, float("-inf")).softmax(-1)
 
     w_full, w_quant = weights(k), weights(kq)
@@ -409,6 +406,15 @@ def attention_drift(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: str 
         "weight_tv": 0.5 * (w_full - w_quant).abs().sum(-1).mean().item(),
         "weight_max_change": (w_full - w_quant).abs().max().item(),
     }
+
+
+def _teacher_forced(model, prefix: torch.Tensor, continuation: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """Next-token logits (B, 1 + N, vocab) reading ``prefix`` in one pass, then ``continuation`` one token per step."""
+    cache.reset()
+    steps = [model(prefix, cache=cache, last_only=True)[:, -1]]
+    for i in range(continuation.shape[1]):
+        steps.append(model(continuation[:, i : i + 1], cache=cache)[:, -1])
+    return torch.stack(steps, dim=1)
 
 
 @torch.no_grad()
@@ -431,11 +437,7 @@ def compare_generation(model, prompt_ids: torch.Tensor, max_new_tokens: int, cac
     candidate = generate(model, prompt_ids, max_new_tokens, cache=cache)
     same = (reference.new_tokens == candidate.new_tokens)[0]
     diverged = (~same).nonzero()
-    cache.reset()
-    steps = [model(prompt_ids, cache=cache, last_only=True)[:, -1]]
-    for i in range(max_new_tokens - 1):
-        steps.append(model(reference.new_tokens[:, i : i + 1], cache=cache)[:, -1])
-    forced = torch.stack(steps, dim=1)  # (B, N, vocab), the same decisions as reference.logits
+    forced = _teacher_forced(model, prompt_ids, reference.new_tokens[:, :-1], cache)  # same decisions as reference.logits
     return {
         "free_running": same.float().mean().item(),
         "first_divergence": int(diverged[0]) if len(diverged) else None,
@@ -475,11 +477,7 @@ def passage_agreement(model, ids: torch.Tensor, prefill: int, cache: KVCache) ->
     if not 0 < prefill < t:
         raise ValueError(f"prefill must be between 1 and {t - 1}, got {prefill}")
     reference = model(ids)[:, prefill - 1 : t - 1]  # predictions for tokens prefill .. t-1
-    cache.reset()
-    steps = [model(ids[:, :prefill], cache=cache, last_only=True)[:, -1]]
-    for i in range(prefill, t - 1):
-        steps.append(model(ids[:, i : i + 1], cache=cache)[:, -1])
-    cand = torch.stack(steps, dim=1)
+    cand = _teacher_forced(model, ids[:, :prefill], ids[:, prefill : t - 1], cache)
     kl = torch.nn.functional.kl_div(cand.log_softmax(-1), reference.log_softmax(-1), log_target=True, reduction="none").sum(-1)
     kl = kl.clamp_min(0)  # KL is never negative; rounding can make an exact match print as -0.0000
     return {

@@ -114,37 +114,40 @@ class BlockTables:
         seq = _Sequence(tokens=list(prompt or []))
         reused = 0
         if self.prefix_sharing and prompt:
-            parent = 0
-            for start in range(0, len(prompt) - len(prompt) % self.block_size, self.block_size):
-                chunk = tuple(prompt[start : start + self.block_size])
-                h = hash((parent, chunk))
+            for _, key, h in self._block_keys(prompt, len(prompt) // self.block_size):
                 block = self._hash_to_block.get(h)
-                if block is None or self._block_key[block] != (parent, chunk):
+                if block is None or self._block_key[block] != key:
                     break
                 self.allocator.incref(block)
                 seq.table.append(block)
                 reused += self.block_size
-                parent = h
             # Keep at least the last prompt token to compute: its logits start generation.
             if reused == len(prompt) and reused:
                 self.allocator.decref(seq.table.pop())
                 reused -= self.block_size
         seq.length = reused
+        return self._register(seq), reused
+
+    def _register(self, seq: _Sequence) -> int:
         seq_id = self._next_id
         self._next_id += 1
         self.sequences[seq_id] = seq
-        return seq_id, reused
+        return seq_id
+
+    def _block_keys(self, tokens: list[int], n_blocks: int):
+        """(index, key, hash) of the first ``n_blocks`` full blocks; key = (parent block's hash, tokens)."""
+        parent = 0
+        for i in range(n_blocks):
+            key = (parent, tuple(tokens[i * self.block_size : (i + 1) * self.block_size]))
+            parent = hash(key)
+            yield i, key, parent
 
     def fork(self, seq_id: int) -> int:
         """A new sequence sharing every block (and the length) of ``seq_id``."""
         parent = self._seq(seq_id)
         for b in parent.table:
             self.allocator.incref(b)
-        child = _Sequence(list(parent.table), parent.length, list(parent.tokens))
-        cid = self._next_id
-        self._next_id += 1
-        self.sequences[cid] = child
-        return cid
+        return self._register(_Sequence(list(parent.table), parent.length, list(parent.tokens)))
 
     def free(self, seq_id: int) -> None:
         """Release a sequence's blocks (shared ones stay for their other holders)."""
@@ -219,17 +222,12 @@ class BlockTables:
     def _register_full_blocks(self, seq: _Sequence) -> None:
         if not self.prefix_sharing:
             return
-        parent = 0
         known = min(seq.length, len(seq.tokens))
-        for i in range(known // self.block_size):
-            chunk = tuple(seq.tokens[i * self.block_size : (i + 1) * self.block_size])
-            key = (parent, chunk)
-            h = hash(key)
+        for i, key, h in self._block_keys(seq.tokens, known // self.block_size):
             block = seq.table[i]
             if block not in self._block_key and h not in self._hash_to_block:
                 self._hash_to_block[h] = block
                 self._block_key[block] = key
-            parent = h
 
     # -- measures -------------------------------------------------------------------------------
 

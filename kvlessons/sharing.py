@@ -14,6 +14,7 @@ prompt token, because no upper layer keeps a cache of its own.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -102,26 +103,21 @@ class YOCODecoder(TinyDecoder):
         return self.head(x)
 
 
+@contextmanager
 def count_layer_tokens(model):
-    """Context manager counting, per block, the token-positions it processed: ``with count_layer_tokens(m) as n``."""
-    from contextlib import contextmanager
-
-    @contextmanager
-    def counting():
-        counts = [0] * len(model.blocks)
-        handles = []
-        for i, block in enumerate(model.blocks):
-            def hook(_module, args, i=i):
-                x = args[0]  # (B, T, hidden)
-                counts[i] += x.shape[0] * x.shape[1]
-            handles.append(block.register_forward_pre_hook(hook))
-        try:
-            yield counts
-        finally:
-            for h in handles:
-                h.remove()
-
-    return counting()
+    """Count, per block, the token-positions it processes: ``with count_layer_tokens(m) as counts: ...``."""
+    counts = [0] * len(model.blocks)
+    handles = []
+    for i, block in enumerate(model.blocks):
+        def hook(_module, args, i=i):
+            x = args[0]  # (B, T, hidden)
+            counts[i] += x.shape[0] * x.shape[1]
+        handles.append(block.register_forward_pre_hook(hook))
+    try:
+        yield counts
+    finally:
+        for h in handles:
+            h.remove()
 
 
 # DeepSeek-V4.1-Flash as the seed text relays its technical report. These are the report's
