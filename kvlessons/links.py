@@ -162,11 +162,12 @@ def _with_badges(readme: str, block: str) -> str:
 
 
 def _with_setup_cell(nb: dict, cell: dict) -> dict:
-    """Replace the tagged setup cell, keeping its outputs' slot; insert it after the title cell if absent."""
+    """Replace the tagged setup cell's source, keeping what a run left on it (outputs, count, timing metadata);
+    insert it after the title cell if absent."""
     cells = [c for c in nb["cells"] if SETUP_TAG not in c.get("metadata", {}).get("tags", [])]
     old = [c for c in nb["cells"] if SETUP_TAG in c.get("metadata", {}).get("tags", [])]
     if old:
-        cell = {**cell, "execution_count": old[0].get("execution_count"), "outputs": old[0].get("outputs", [])}
+        cell = {**old[0], "cell_type": "code", "source": cell["source"], "metadata": {**old[0].get("metadata", {}), **cell["metadata"]}}
     nb = dict(nb)
     nb["cells"] = cells[:1] + [cell] + cells[1:]
     return nb

@@ -32,7 +32,7 @@ def test_badges_point_at_lessons_that_exist():
         rel = path.relative_to(links.ROOT).as_posix()
         assert f"https://colab.research.google.com/github/{REPO.owner}/{REPO.name}/blob/main/{rel}" in block
     assert f"https://mybinder.org/v2/gh/{REPO.owner}/{REPO.name}/main?urlpath=lab/tree/notebooks" in block
-    assert (links.ROOT / "environment.yml").exists() and (links.ROOT / "postBuild").exists()  # what Binder builds
+    assert (links.ROOT / "environment.yml").exists() and (links.ROOT / "binder" / "environment.yml").exists()
 
 
 @pytest.mark.parametrize("url", ["", "github.com/a/b", "https://gitlab.com/a/b", "https://github.com/a",
@@ -52,6 +52,30 @@ def test_pyproject_without_a_repository_is_refused(tmp_path):
     (tmp_path / "pyproject.toml").write_text("[project]\nname = 'x'\n")
     with pytest.raises(ValueError, match=r"\[project.urls\]"):
         links.repository(tmp_path)
+
+
+def test_make_links_inserts_updates_and_then_has_nothing_to_do(tmp_path):
+    """On a fork: a new URL rewrites the badges and the cells; a lesson without the cell gets it after its title."""
+    for name in ("requirements.txt", "requirements-model.txt"):
+        shutil.copy(links.ROOT / name, tmp_path / name)
+    (tmp_path / "pyproject.toml").write_text('[project.urls]\nRepository = "https://github.com/someone/kv-fork"\n')
+    (tmp_path / "README.md").write_text(f"# title\n{links.BADGES_START}\nold\n{links.BADGES_END}\nrest\n")
+    (tmp_path / "notebooks").mkdir()
+    title = {"cell_type": "markdown", "id": "t", "metadata": {}, "source": ["# Lesson"]}
+    code = {"cell_type": "code", "id": "c", "metadata": {}, "execution_count": 1, "outputs": [], "source": ["1"]}
+    lesson = tmp_path / "notebooks" / "08_real_model.ipynb"
+    lesson.write_text(json.dumps({"cells": [title, code], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+    assert sorted(links.write(tmp_path)) == sorted([tmp_path / "README.md", lesson])
+    assert links.stale(tmp_path) == []
+    readme = (tmp_path / "README.md").read_text()
+    assert "old" not in readme and readme.startswith("# title\n") and readme.endswith("rest\n")
+    assert "https://colab.research.google.com/github/someone/kv-fork/blob/main/notebooks/08_real_model.ipynb" in readme
+    cells = json.loads(lesson.read_text())["cells"]
+    assert [c["id"] for c in cells] == ["t", "colab-setup", "c"]
+    assert "git+https://github.com/someone/kv-fork@main" in "".join(cells[1]["source"])
+    (tmp_path / "README.md").write_text("# no markers\n")
+    with pytest.raises(ValueError, match="README.md must hold one"):
+        links.write(tmp_path)
 
 
 def _run_cell(notebook, monkeypatch, colab):

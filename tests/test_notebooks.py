@@ -36,9 +36,11 @@ def test_committed_with_outputs_and_no_errors(path):
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_opens_with_goals_and_setup(path):
-    """A lesson starts with markdown (goals, time) and its first code cell sets seed and device."""
+    """A lesson starts with markdown (goals, time) and, after the Colab setup cell, its first code cell
+    sets seed and device."""
     nb = json.loads(path.read_text())
     assert nb["cells"][0]["cell_type"] == "markdown"
-    first_code = next(c for c in nb["cells"] if c["cell_type"] == "code")
+    first_code = next(c for c in nb["cells"] if c["cell_type"] == "code"
+                      and "colab-setup" not in c["metadata"].get("tags", []))
     src = "".join(first_code["source"])
     assert "manual_seed" in src and "kvlessons.device()" in src
