@@ -64,7 +64,7 @@ class Repository:
         return f"https://colab.research.google.com/github/{self.owner}/{self.name}/blob/{self.branch}/{notebook}"
 
     def binder_url(self, path: str = "notebooks") -> str:
-        """Binder builds the repository from environment.yml and opens JupyterLab at ``path``."""
+        """Binder builds the repository from binder/ (environment.yml, postBuild) and opens JupyterLab at ``path``."""
         return f"https://mybinder.org/v2/gh/{self.owner}/{self.name}/{self.branch}?urlpath=lab/tree/{path}"
 
 
