@@ -132,7 +132,7 @@ def setup_cell(repo: Repository, notebook: str, root: Path = ROOT) -> dict:
     return {
         "cell_type": "code",
         "execution_count": None,
-        "id": "colab-setup",
+        "id": SETUP_TAG,
         "metadata": {"tags": [SETUP_TAG]},
         "outputs": [],
         "source": source.splitlines(keepends=True),
@@ -161,16 +161,19 @@ def _with_badges(readme: str, block: str) -> str:
     return head + block + rest.split(BADGES_END, 1)[1]
 
 
+def _is_setup(cell: dict) -> bool:
+    return SETUP_TAG in cell.get("metadata", {}).get("tags", [])
+
+
 def _with_setup_cell(nb: dict, cell: dict) -> dict:
     """Replace the tagged setup cell's source, keeping what a run left on it (outputs, count, timing metadata);
     insert it after the title cell if absent."""
-    cells = [c for c in nb["cells"] if SETUP_TAG not in c.get("metadata", {}).get("tags", [])]
-    old = [c for c in nb["cells"] if SETUP_TAG in c.get("metadata", {}).get("tags", [])]
+    old = [c for c in nb["cells"] if _is_setup(c)]
     if old:
-        cell = {**old[0], "cell_type": "code", "source": cell["source"], "metadata": {**old[0].get("metadata", {}), **cell["metadata"]}}
-    nb = dict(nb)
-    nb["cells"] = cells[:1] + [cell] + cells[1:]
-    return nb
+        metadata = {**old[0].get("metadata", {}), **cell["metadata"]}
+        cell = {**old[0], "cell_type": "code", "source": cell["source"], "metadata": metadata}
+    cells = [c for c in nb["cells"] if not _is_setup(c)]
+    return {**nb, "cells": cells[:1] + [cell] + cells[1:]}
 
 
 def _dump(nb: dict) -> str:
@@ -187,17 +190,16 @@ def render(root: Path = ROOT) -> dict[Path, str]:
     return out
 
 
-def stale(root: Path = ROOT) -> list[Path]:
-    """The files whose committed text differs from what :func:`render` writes."""
-    return [path for path, text in render(root).items() if path.read_text() != text]
+def stale(root: Path = ROOT) -> dict[Path, str]:
+    """The files whose committed text differs from what :func:`render` writes, with the text they should have."""
+    return {path: text for path, text in render(root).items() if path.read_text() != text}
 
 
 def write(root: Path = ROOT) -> list[Path]:
     changed = stale(root)
-    for path, text in render(root).items():
-        if path in changed:
-            path.write_text(text)
-    return changed
+    for path, text in changed.items():
+        path.write_text(text)
+    return list(changed)
 
 
 def main(argv: list[str] | None = None) -> int:
