@@ -4,23 +4,40 @@ A cache is a container of per-layer objects plus one position counter:
 
     cache.layer(i).update(k, v) -> (k_all, v_all)   # store the new K/V, return everything held
     cache.seq_len                                    # positions processed so far
-    cache.check_room(T)                              # refuse, before any write, a T-token append that cannot fit
-    cache.advance(T)                                 # once per forward pass, after the last layer
+    with cache.transaction(ids):                     # one forward pass, all or nothing
+        ...every layer updates...
+        cache.advance(T)                             # once per forward pass, after the last layer
     cache.reset(), cache.crop(n), cache.nbytes()
 
 Keys arrive already rotated (RoPE is applied before caching), shaped (B, H_kv, T, D).
 Variants differ only in how a layer stores them: ``ConcatCache`` grows by ``torch.cat``,
 ``StaticCache`` preallocates and writes in place, and in either one a layer with a
 sliding window (``cache.layer(i, window=W)``) is a :class:`SlidingWindowLayer` that keeps
-only the newest W positions. Later lessons add cross-layer, FP4 and paged variants on
-the same interface.
+only the newest W positions. ``kvlessons.fp4`` (quantized), ``kvlessons.paging`` (paged)
+and ``kvlessons.sharing`` (layers that share a cache) build on the same interface.
+
+**All or nothing.** A forward pass writes every layer before it advances the counter, so
+an exception half way (Ctrl-C in a notebook, out of memory, a bad input reaching a later
+layer) would leave the early layers one append ahead of ``seq_len``, and every later pass
+would silently compute wrong logits. ``transaction`` prevents that: it snapshots each
+layer before the pass and restores them all if anything raises. Snapshots are cheap
+because most layers never write into a tensor they already hold (``torch.cat`` makes a new
+one), so keeping references is enough; layers that write in place say how to undo it.
+If even the restore is interrupted, the cache refuses further use until ``reset()``.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
+from .memory import measured_bytes
 from .shape import require_positive_int
+
+
+class CacheInterruptedError(RuntimeError):
+    """A cache whose restore after a failed forward pass did not finish: only ``reset()`` is safe."""
 
 
 def _check_kv(k: torch.Tensor, v: torch.Tensor, held: torch.Tensor | None = None) -> None:
@@ -29,10 +46,15 @@ def _check_kv(k: torch.Tensor, v: torch.Tensor, held: torch.Tensor | None = None
         raise ValueError(f"k must be (batch, kv_heads, tokens, head_dim), got shape {tuple(k.shape)}")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if held is not None and (k.shape[:2] != held.shape[:2] or k.shape[3] != held.shape[3]):
-        raise ValueError(
-            f"new k {tuple(k.shape)} does not match the cached (batch, kv_heads, _, head_dim) {tuple(held.shape)}"
-        )
+    if k.dtype != v.dtype or k.device != v.device:
+        raise ValueError(f"k and v must share dtype and device, got {k.dtype}/{k.device} and {v.dtype}/{v.device}")
+    if held is not None:
+        if k.shape[:2] != held.shape[:2] or k.shape[3] != held.shape[3]:
+            raise ValueError(
+                f"new k {tuple(k.shape)} does not match the cached (batch, kv_heads, _, head_dim) {tuple(held.shape)}"
+            )
+        if k.dtype != held.dtype or k.device != held.device:
+            raise ValueError(f"new k is {k.dtype} on {k.device}, the cache holds {held.dtype} on {held.device}")
 
 
 def _check_crop(length: int, held: int) -> None:
@@ -49,7 +71,11 @@ def _check_capacity(max_len: int, held: int, new_tokens: int) -> None:
 
 
 class LayerCache:
-    """One layer's stored keys and values. Subclasses decide how they are stored."""
+    """One layer's stored keys and values. Subclasses decide how they are stored.
+
+    Every method that changes a layer validates first and writes after, so a call that
+    raises ValueError leaves the layer as it was.
+    """
 
     window: int | None = None  # sliding window in tokens; None keeps every position
 
@@ -74,9 +100,13 @@ class LayerCache:
     def check_room(self, new_tokens: int) -> None:
         """Raise ValueError if ``new_tokens`` more cannot be stored. Unbounded by default."""
 
+    def check_crop(self, length: int) -> None:
+        """Raise ValueError if this layer cannot be cropped to ``length`` (nothing is changed)."""
+        _check_crop(length, self.seq_len)
+
     def nbytes(self) -> int:
-        """Bytes of memory this layer holds for K and V."""
-        raise NotImplementedError
+        """Bytes of memory this layer holds: every tensor it keeps, measured, each storage once."""
+        return measured_bytes(self)
 
     def reset(self) -> None:
         """Forget every stored token."""
@@ -86,6 +116,24 @@ class LayerCache:
         """Keep only the first ``length`` tokens (to rewind after an edit)."""
         raise NotImplementedError
 
+    # -- undo, for the cache's transactions --------------------------------------------------------
+
+    def snapshot(self) -> dict:
+        """What :meth:`restore` needs to undo the changes that follow.
+
+        References and counters only: right for any layer that never writes into a
+        tensor it already holds (it replaces tensors instead). A layer that writes in
+        place where a reader can see it overrides this and :meth:`restore`.
+        """
+        return {name: list(value) if isinstance(value, list) else value for name, value in vars(self).items()}
+
+    def restore(self, state: dict) -> None:
+        """Return to the state :meth:`snapshot` recorded."""
+        vars(self).clear()
+        vars(self).update(state)
+
+    def commit(self) -> None:
+        """The changes since the last :meth:`snapshot` stand: drop whatever was kept to undo them."""
 
 
 class ConcatLayer(LayerCache):
@@ -99,11 +147,12 @@ class ConcatLayer(LayerCache):
     def update(self, k, v):
         _check_kv(k, v, self._k)
         if self._k is None:
-            self._k, self._v = k, v
+            # clone: k may be a view that pins a larger tensor (and the caller may reuse it)
+            new_k, new_v = k.clone(), v.clone()
         else:
-            self._k = torch.cat([self._k, k], dim=2)
-            self._v = torch.cat([self._v, v], dim=2)
-        self.bytes_written += self._k.nbytes + self._v.nbytes  # cat writes the whole new tensor
+            new_k, new_v = torch.cat([self._k, k], dim=2), torch.cat([self._v, v], dim=2)
+        self._k, self._v = new_k, new_v  # replaced, never written into: a snapshot can keep the old ones
+        self.bytes_written += new_k.nbytes + new_v.nbytes  # cat writes the whole new tensor
         self.seq_len += k.shape[2]
         return self._k, self._v
 
@@ -115,17 +164,12 @@ class ConcatLayer(LayerCache):
     def values(self):
         return self._v
 
-    def nbytes(self):
-        if self._k is None:
-            return 0
-        return self._k.nbytes + self._v.nbytes
-
     def reset(self):
         self._k = self._v = None
         self.seq_len = 0
 
     def crop(self, length):
-        _check_crop(length, self.seq_len)
+        self.check_crop(length)
         if length == 0:
             self.reset()
             return
@@ -135,7 +179,13 @@ class ConcatLayer(LayerCache):
 
 
 class StaticLayer(LayerCache):
-    """A buffer of ``max_len`` positions, allocated on the first write and written in place."""
+    """A buffer of ``max_len`` positions, allocated on the first write and written in place.
+
+    Only positions below ``seq_len`` are ever read, so rewinding (``crop``, ``reset``, or
+    undoing a failed pass) just moves the counter back: the next write overwrites what
+    lies beyond it. That is also why the default snapshot (the counter and references)
+    can undo a pass: the pass wrote only at positions the restored counter hides again.
+    """
 
     def __init__(self, max_len: int):
         super().__init__()
@@ -152,8 +202,8 @@ class StaticLayer(LayerCache):
         self.check_room(t)
         if self._k is None:
             b, h, _, d = k.shape
-            # A normal (not inference-mode) tensor, so reset() and crop() may write to it
-            # whether or not the caller is inside torch.inference_mode().
+            # A normal (not inference-mode) tensor, so later writes work whether or not the
+            # caller is inside torch.inference_mode().
             with torch.inference_mode(False):
                 self._k = torch.zeros(b, h, self.max_len, d, dtype=k.dtype, device=k.device)
                 self._v = torch.zeros(b, h, self.max_len, d, dtype=v.dtype, device=v.device)
@@ -173,24 +223,11 @@ class StaticLayer(LayerCache):
     def values(self):
         return None if self._v is None or self.seq_len == 0 else self._v[:, :, : self.seq_len]
 
-    def nbytes(self):
-        # The whole preallocated buffer is held, however much of it is filled.
-        if self._k is None:
-            return 0
-        return self._k.nbytes + self._v.nbytes
-
     def reset(self):
-        # Keep the buffer (that is the point of preallocating); zero it so no stale entry survives.
-        if self._k is not None:
-            self._k.zero_()
-            self._v.zero_()
-        self.seq_len = 0
+        self.seq_len = 0  # keep the buffer: that is the point of preallocating
 
     def crop(self, length):
-        _check_crop(length, self.seq_len)
-        if self._k is not None:
-            self._k[:, :, length:].zero_()
-            self._v[:, :, length:].zero_()
+        self.check_crop(length)
         self.seq_len = length
 
 
@@ -199,19 +236,22 @@ class SlidingWindowLayer(LayerCache):
 
     ``update`` returns the held positions followed by the new ones (T new queries need up
     to window - 1 earlier keys each); the attention mask applies the window. With
-    ``preallocate`` the ring is allocated full-size on the first write (a static cache);
-    otherwise it grows with the sequence until it reaches the window, then wraps in place.
+    ``preallocate`` the ring is allocated full-size on the first write (a static cache,
+    which then also refuses to hold more than ``max_len`` positions in all); otherwise it
+    grows with the sequence until it reaches the window, then wraps in place.
     """
 
     def __init__(self, window: int, preallocate: bool = False, max_len: int | None = None):
         super().__init__()
         self.window = require_positive_int("window", window)
         self.preallocate = preallocate
+        self.max_len = None if max_len is None else require_positive_int("max_len", max_len)
         # A static cache never holds more than max_len positions, so never needs more slots.
-        self._slots = window if max_len is None else min(window, require_positive_int("max_len", max_len))
+        self._slots = window if max_len is None else min(window, max_len)
         self._first = 0  # oldest position still held; an explicit counter like seq_len
         self._k: torch.Tensor | None = None  # (B, H_kv, slots, D)
         self._v: torch.Tensor | None = None
+        self._undo: list | None = None  # while a transaction is open: the ring rows it overwrote
 
     @property
     def held(self) -> int:
@@ -234,13 +274,17 @@ class SlidingWindowLayer(LayerCache):
     def values(self):
         return self._ordered(self._v)
 
+    def check_room(self, new_tokens):
+        if self.max_len is not None:
+            _check_capacity(self.max_len, self.seq_len, new_tokens)
+
     def _write(self, first_position: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store positions first_position .. first_position + T - 1 (the newest window of them)."""
         end = first_position + k.shape[2]
         b, h, _, d = k.shape
         want = self._slots if self.preallocate else min(end, self._slots)
         have = 0 if self._k is None else self._k.shape[2]
-        if want > have:
+        if want > have:  # a new, larger ring: the old one is replaced, not written into
             with torch.inference_mode(False):  # a normal tensor, writable outside inference mode too
                 grown_k = torch.zeros(b, h, want, d, dtype=k.dtype, device=k.device)
                 grown_v = torch.zeros(b, h, want, d, dtype=v.dtype, device=v.device)
@@ -250,6 +294,8 @@ class SlidingWindowLayer(LayerCache):
             self._k, self._v = grown_k, grown_v
         keep = min(k.shape[2], self.window)
         slots = torch.arange(end - keep, end, device=k.device) % self.window
+        if self._undo is not None:  # a transaction is open: remember what the ring held there
+            self._undo.append((self._k, self._v, slots, self._k.index_select(2, slots), self._v.index_select(2, slots)))
         with torch.no_grad():
             self._k.index_copy_(2, slots, k[:, :, -keep:])
             self._v.index_copy_(2, slots, v[:, :, -keep:])
@@ -257,41 +303,58 @@ class SlidingWindowLayer(LayerCache):
 
     def update(self, k, v):
         old_k, old_v = self.keys, self.values
-        _check_kv(k, v, old_k)
+        _check_kv(k, v, self._k)
+        self.check_room(k.shape[2])
         k_all = k if old_k is None else torch.cat([old_k, k], dim=2)
         v_all = v if old_v is None else torch.cat([old_v, v], dim=2)
         self._write(self.seq_len, k, v)
         self.seq_len += k.shape[2]
         return k_all, v_all
 
-    def nbytes(self):
-        if self._k is None:
-            return 0
-        return self._k.nbytes + self._v.nbytes
-
     def reset(self):
-        if self.preallocate and self._k is not None:
-            self._k.zero_()
-            self._v.zero_()
-        else:
+        if not self.preallocate:
             self._k = self._v = None
         self.seq_len = self._first = 0
 
-    def crop(self, length):
+    def check_crop(self, length):
         _check_crop(length, self.seq_len)
-        needed = max(0, length - self.window + 1)  # oldest key the query at `length` can see
-        if self._first > needed:
+        needed = max(0, length - self.window + 1)  # oldest key the next query (at `length`) can see
+        if needed < length and self._first > needed:
             raise ValueError(
                 f"cannot crop a sliding-window layer to length {length}: the next query needs position "
                 f"{needed}, but positions before {self._first} were already dropped"
             )
-        keep_from = max(self._first, length - self.window)
-        k = self.keys[:, :, keep_from - self._first : length - self._first].clone()
-        v = self.values[:, :, keep_from - self._first : length - self._first].clone()
-        self.reset()
-        if length:
+
+    def crop(self, length):
+        self.check_crop(length)
+        keep_from = min(length, max(self._first, length - self.window))  # the newest window before `length`
+        k = v = None
+        if keep_from < length:
+            lo, hi = keep_from - self._first, length - self._first
+            k, v = self.keys[:, :, lo:hi].clone(), self.values[:, :, lo:hi].clone()
+        # Rebuild into fresh tensors (the held ones are replaced, not written into), so an
+        # interrupted crop leaves the old ring intact for the cache to restore.
+        self._k = self._v = None
+        self._first = self.seq_len = keep_from
+        if k is not None:
             self._write(keep_from, k, v)
         self._first, self.seq_len = keep_from, length
+
+    def snapshot(self):
+        state = super().snapshot()
+        self._undo = []  # from now on _write records the ring rows it overwrites
+        return state
+
+    def restore(self, state):
+        for buf_k, buf_v, slots, old_k, old_v in reversed(self._undo or []):
+            if buf_k is state["_k"]:  # written into the ring the snapshot holds: put the old rows back
+                with torch.no_grad():
+                    buf_k.index_copy_(2, slots, old_k)
+                    buf_v.index_copy_(2, slots, old_v)
+        super().restore(state)
+
+    def commit(self):
+        self._undo = None
 
 
 class KVCache:
@@ -300,6 +363,8 @@ class KVCache:
     def __init__(self):
         self._layers: dict[int, LayerCache] = {}
         self.seq_len = 0  # positions processed; the next token's position
+        self._interrupted: str | None = None  # why a restore could not finish, until reset()
+        self._open = False  # a transaction is running
 
     def new_layer(self, window: int | None = None) -> LayerCache:
         """Return a fresh, empty layer object of this cache's kind (sliding if ``window`` is set)."""
@@ -341,25 +406,103 @@ class KVCache:
         self.seq_len += new_tokens
 
     def nbytes(self) -> int:
-        """Bytes of memory held for K and V, summed over layers."""
+        """Bytes of memory held for K and V, summed over layers (each layer measures its tensors)."""
         return sum(layer.nbytes() for layer in self.layers())
 
     def bytes_written(self) -> int:
         """Bytes of K/V memory written so far by all layers (a concatenating cache rewrites everything)."""
         return sum(layer.bytes_written for layer in self.layers())
 
-    def reset(self) -> None:
-        """Empty every layer and restart positions at 0."""
+    # -- all or nothing ------------------------------------------------------------------------------
+
+    @contextmanager
+    def transaction(self, ids: torch.Tensor):
+        """Run one forward pass over ``ids`` (B, T) all or nothing.
+
+        Refuses (ValueError) before anything is written if T more tokens do not fit. If
+        the body raises anything, Ctrl-C included, every layer and ``seq_len`` return to
+        what they were, and the exception propagates::
+
+            with cache.transaction(ids):
+                ...                          # every layer: cache.layer(i).update(k, v)
+                cache.advance(ids.shape[1])
+        """
+        self._check_usable()
+        self.check_room(ids.shape[-1])
+        with self._atomic():
+            self._prepare(ids)
+            yield self
+
+    def _prepare(self, ids: torch.Tensor) -> None:
+        """Called inside the transaction, before the layers write (a paged view reserves blocks here)."""
+
+    def _check_usable(self) -> None:
+        if self._interrupted is not None:
+            raise CacheInterruptedError(
+                f"this cache was interrupted while undoing a failed forward pass ({self._interrupted}), so its "
+                f"layers may disagree with each other. Call cache.reset() (or make a new cache) to use it again."
+            )
+
+    @contextmanager
+    def _atomic(self):
+        """Snapshot every layer; if the body raises, restore them all and ``seq_len``, then re-raise."""
+        if self._open:  # inside an outer transaction: its snapshot already covers this change
+            yield
+            return
+        state = self._snapshot()
+        self._open = True
+        try:
+            yield
+        except BaseException as failure:
+            try:
+                self._restore(state)
+            except BaseException as err:  # e.g. a second Ctrl-C while restoring
+                self._interrupted = f"{type(failure).__name__}, then {type(err).__name__} during the restore"
+                raise
+            raise
+        finally:
+            self._open = False
+        self._commit()
+
+    def _snapshot(self):
+        """The counter, the layer objects, and each layer's own snapshot."""
+        return self.seq_len, dict(self._layers), [(layer, layer.snapshot()) for layer in self.layers()]
+
+    def _restore(self, state) -> None:
+        seq_len, layers, layer_states = state
+        for layer, layer_state in layer_states:
+            layer.restore(layer_state)
+        self._layers = dict(layers)  # layers first created by the failed pass are dropped
+        self.seq_len = seq_len
+
+    def _commit(self) -> None:
         for layer in self.layers():
-            layer.reset()
-        self.seq_len = 0
+            layer.commit()
+
+    # -- rewinding ----------------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Empty every layer and restart positions at 0: afterwards the cache behaves as a new one."""
+        self._interrupted = None  # the one way back from an interrupted restore
+        with self._atomic():
+            for layer in self.layers():
+                layer.reset()
+            self.seq_len = 0
 
     def crop(self, length: int) -> None:
-        """Keep only the first ``length`` positions, e.g. before re-running an edited suffix."""
+        """Keep only the first ``length`` positions, e.g. before re-running an edited suffix.
+
+        Every layer is checked before any is changed, so a crop one layer cannot do
+        (a sliding window that already dropped what the next query needs) changes nothing.
+        """
+        self._check_usable()
         _check_crop(length, self.seq_len)
         for layer in self.layers():
-            layer.crop(length)
-        self.seq_len = length
+            layer.check_crop(length)
+        with self._atomic():
+            for layer in self.layers():
+                layer.crop(length)
+            self.seq_len = length
 
     def __repr__(self):
         return f"{type(self).__name__}(seq_len={self.seq_len}, layers={len(self._layers)}, nbytes={self.nbytes()})"

@@ -64,6 +64,13 @@ def convert_to_gqa(model, kv_heads: int, method: str = "mean"):
     weights of the heads in each group; ``first`` keeps the first head of each group;
     ``random`` starts the new heads from scratch. Queries, outputs and MLPs are kept.
     """
+    from .sharing import YOCODecoder
+
+    if isinstance(model, YOCODecoder):
+        raise ValueError(
+            "model must be a TinyDecoder: a YOCODecoder's upper layers read one global K/V made by its own "
+            "projections, which convert_to_gqa does not merge"
+        )
     old = model.config
     require_positive_int("kv_heads", kv_heads)
     if method not in CONVERSIONS:
@@ -80,6 +87,8 @@ def convert_to_gqa(model, kv_heads: int, method: str = "mean"):
         return new.eval()  # new K/V projections keep the fresh initialisation
     pool = old.kv_heads // kv_heads
     for block_old, block_new in zip(model.blocks, new.blocks):
+        if not block_old.attn.projects_kv:  # cross-layer sharing: this layer reads its owner's cache
+            continue
         for name in ("k_proj", "v_proj"):
             w = getattr(block_old.attn, name).weight.view(kv_heads, pool, old.head_dim, -1)  # grouped heads
             merged = w.mean(dim=1) if method == "mean" else w[:, 0]

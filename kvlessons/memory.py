@@ -440,3 +440,43 @@ def quantized_cache_bytes(shape: ModelShape, seq_len: int, batch: int = 1, dtype
     if full:
         total += kv_cache_bytes(shape, full, batch, residual_dtype)
     return total
+
+
+# ---------------------------------------------------------------------------------------------
+# Measured bytes: what tensors really hold
+# ---------------------------------------------------------------------------------------------
+
+
+def measured_bytes(obj) -> int:
+    """Bytes of every tensor reachable from ``obj``, each underlying storage counted once.
+
+    Follows attributes, lists, tuples, dicts and dataclass fields (not properties, which
+    compute on demand), so it counts what an object *keeps*, whatever its own accounting
+    says. A view counts its whole storage: a 2-token slice that pins a 4,096-token tensor
+    holds 4,096 tokens of memory. The formulas in this module predict this number; the
+    tests check them against it.
+    """
+    import torch
+
+    seen_storages: set[tuple[str, int]] = set()
+    seen_objects: set[int] = set()
+    total = 0
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if id(item) in seen_objects:
+            continue
+        seen_objects.add(id(item))
+        if isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()
+            key = (str(item.device), storage.data_ptr())
+            if storage.nbytes() and key not in seen_storages:
+                seen_storages.add(key)
+                total += storage.nbytes()
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            stack.extend(item)
+        elif hasattr(item, "__dict__") and not isinstance(item, (type, torch.nn.Module)):
+            stack.extend(vars(item).values())
+    return total

@@ -111,6 +111,8 @@ class Attention(nn.Module):
         q, k, v = self.project(x, cos, sin)
         if kv is None:
             kv = layer_cache.update(k, v)  # (B, H_kv, S, D), S = cached + T
+        if mask is not None and mask.shape[-1] > kv[0].shape[2]:
+            mask = mask[..., -kv[0].shape[2]:]  # a sliding-window layer returns only the newest keys
         out = self.attend_fn(q, *kv, mask=mask, window=self.window)  # bottom-right causal mask when T > 1
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), kv
 
@@ -195,21 +197,28 @@ class TinyDecoder(nn.Module):
         and no token attends to a pad.
         """
         cache, cos, sin, x, mask = self.begin(ids, cache, pad_mask)
-        x = self.run_blocks(range(len(self.blocks)), x, cos, sin, cache, mask=mask)
-        cache.advance(ids.shape[1])  # once per forward pass, never once per layer
-        return self.head(x[:, -1:] if last_only else x)
+        with cache.transaction(ids):  # all or nothing: if anything below raises, the cache is as it was
+            x = self.run_blocks(range(len(self.blocks)), x, cos, sin, cache, mask=mask)
+            logits = self.head(x[:, -1:] if last_only else x)
+            cache.advance(ids.shape[1])  # once per forward pass, never once per layer
+        return logits
 
     def positions(self, start: int, new_tokens: int, device=None) -> torch.Tensor:
         """Positions of ``new_tokens`` tokens appended after ``start`` cached ones: start .. start + T - 1."""
         return torch.arange(start, start + new_tokens, device=device)
 
     def begin(self, ids: torch.Tensor, cache: KVCache | None, pad_mask: torch.Tensor | None = None):
-        """Check ids and room; return (cache, cos, sin, embeddings, attention mask or None)."""
+        """Check the inputs, changing nothing; return (cache, cos, sin, embeddings, attention mask or None)."""
         if ids.dim() != 2:
             raise ValueError(f"ids must be (batch, tokens), got shape {tuple(ids.shape)}")
         t = ids.shape[1]
         if t == 0:
             raise ValueError("ids must hold at least one token")
+        if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise ValueError(f"ids must be integer token ids, got dtype {ids.dtype}")
+        lowest, highest = (int(v) for v in ids.aminmax())
+        if lowest < 0 or highest >= self.config.vocab_size:
+            raise ValueError(f"ids must be in [0, vocab_size={self.config.vocab_size}), got values from {lowest} to {highest}")
         cache = ConcatCache() if cache is None else cache
         start = cache.seq_len  # the one place positions come from
         mask = None
@@ -222,7 +231,6 @@ class TinyDecoder(nn.Module):
                 )
             positions = positions_from_padding(pad_mask)[:, start:]  # (B, T): real tokens only
             mask = padded_causal_mask(pad_mask, t)
-        cache.check_room(t)  # refuse before any layer writes, so a full cache stays consistent
         cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta)
         dtype = self.embed.weight.dtype
         return cache, cos.to(dtype), sin.to(dtype), self.embed(ids), mask

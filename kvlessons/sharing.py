@@ -84,23 +84,27 @@ class YOCODecoder(TinyDecoder):
     def shape(self) -> ModelShape:
         return self._yoco_shape
 
-    def forward(self, ids: torch.Tensor, cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, cache: KVCache | None = None, last_only: bool = False,
+                pad_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Logits as TinyDecoder's; with ``last_only`` the upper half runs for the last position only."""
-        cache, cos, sin, x, _ = self.begin(ids, cache)
+        cache, cos, sin, x, mask = self.begin(ids, cache, pad_mask)
         b, t, _ = x.shape
         half = len(self.blocks) // 2
-        x = self.run_blocks(range(half), x, cos, sin, cache)  # self-decoder over every new token
-        # The global K/V: computed once from the self-decoder's output, cached once.
-        h = self.global_norm(x)
         c = self.config
-        k = apply_rope(self.global_k(h).view(b, t, c.kv_heads, c.head_dim).transpose(1, 2), cos, sin)
-        v = self.global_v(h).view(b, t, c.kv_heads, c.head_dim).transpose(1, 2)
-        kv = cache.layer(half).update(k, v)  # (B, H_kv, S, D)
-        if last_only:  # the cross-decoder has no cache to fill: only the last query matters
-            x, cos, sin = x[:, -1:], cos[-1:], sin[-1:]
-        x = self.run_blocks(range(half, len(self.blocks)), x, cos, sin, cache, shared={half: kv})
-        cache.advance(t)
-        return self.head(x)
+        with cache.transaction(ids):  # all or nothing, as in TinyDecoder.forward
+            x = self.run_blocks(range(half), x, cos, sin, cache, mask=mask)  # self-decoder over every new token
+            # The global K/V: computed once from the self-decoder's output, cached once.
+            h = self.global_norm(x)
+            k = apply_rope(self.global_k(h).view(b, t, c.kv_heads, c.head_dim).transpose(1, 2), cos, sin)
+            v = self.global_v(h).view(b, t, c.kv_heads, c.head_dim).transpose(1, 2)
+            kv = cache.layer(half).update(k, v)  # (B, H_kv, S, D)
+            if last_only:  # the cross-decoder has no cache to fill: only the last query matters
+                x, cos, sin = x[:, -1:], cos[..., -1:, :], sin[..., -1:, :]
+                mask = None if mask is None else mask[..., -1:, :]
+            x = self.run_blocks(range(half, len(self.blocks)), x, cos, sin, cache, shared={half: kv}, mask=mask)
+            logits = self.head(x)
+            cache.advance(t)
+        return logits
 
 
 @contextmanager

@@ -1,15 +1,21 @@
 """Shared fixtures: the device under test and every cache variant on the common interface."""
 
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
 import pytest
 import torch
 
 import kvlessons
 from kvlessons.cache import ConcatCache, StaticCache
+from kvlessons.fp4 import QuantizedCache
 from kvlessons.model import TinyConfig, TinyDecoder
+from kvlessons.paging import PagedKVCache
+from kvlessons.sharing import YOCODecoder
 
-# name -> factory(max_tokens) for every cache variant; later lessons add theirs here so the
-# "cached equals uncached" tests cover them too.
-CACHE_VARIANTS = {
+# Storage kinds that take any TinyDecoder: name -> factory(max_tokens).
+STORAGE_KINDS = {
     "concat": lambda max_tokens: ConcatCache(),
     "static": lambda max_tokens: StaticCache(max_tokens),
 }
@@ -18,21 +24,69 @@ CACHE_VARIANTS = {
 HEAD_LAYOUTS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
 
 
+def small_config(q_heads=4, kv_heads=2, seed=0, **overrides) -> TinyConfig:
+    """A tiny seeded config, small enough for many parametrized cases."""
+    cfg = dict(vocab_size=50, hidden_size=32, layers=2, q_heads=q_heads, kv_heads=kv_heads, head_dim=8, mlp_hidden=48, seed=seed)
+    cfg.update(overrides)
+    return TinyConfig(**cfg)
+
+
+def small_model(q_heads=4, kv_heads=2, seed=0, dev=None, **overrides):
+    """A tiny seeded float32 model."""
+    return TinyDecoder(small_config(q_heads, kv_heads, seed, **overrides)).to(dev or "cpu").eval()
+
+
+def paged_view(model, max_tokens, block_size=4):
+    """A one-sequence view of a PagedKVCache with room for ``max_tokens`` (and a spare block)."""
+    pool = PagedKVCache(model.shape, num_blocks=math.ceil(max_tokens / block_size) + 1, block_size=block_size,
+                        device=model.device)
+    seq_id, _ = pool.add_sequence()
+    return pool.view(seq_id)
+
+
+@dataclass(frozen=True)
+class CacheVariant:
+    """One cache variant: how to build the model it runs on, and the cache itself."""
+
+    make_cache: Callable  # (model, max_tokens) -> cache
+    overrides: dict = field(default_factory=dict)  # small_config keyword overrides
+    yoco_window: int | None = None  # build a YOCODecoder with this window instead of a TinyDecoder
+    max_batch: int = 2  # a paged view serves one sequence
+
+    def model(self, q_heads=4, kv_heads=2, dev=None, seed=0, **more):
+        config = small_config(q_heads, kv_heads, seed, **{**self.overrides, **more})
+        model = TinyDecoder(config) if self.yoco_window is None else YOCODecoder(config, window=self.yoco_window)
+        return model.to(dev or "cpu").eval()
+
+
+# Every cache variant, so the "cached equals uncached" and "all or nothing" tests cover each.
+CACHE_VARIANTS = {
+    "concat": CacheVariant(lambda model, n: ConcatCache()),
+    "static": CacheVariant(lambda model, n: StaticCache(n)),
+    "window-concat": CacheVariant(lambda model, n: ConcatCache(), overrides={"layers": 3, "windows": (4, None, 3)}),
+    "window-static": CacheVariant(lambda model, n: StaticCache(n), overrides={"layers": 3, "windows": (4, None, 3)}),
+    # A full-precision tail at least as long as the whole sequence: nothing is quantized, so it must be exact.
+    "quantized-tail": CacheVariant(lambda model, n: QuantizedCache("nvfp4", residual=n), overrides={"head_dim": 16}),
+    "paged": CacheVariant(paged_view, max_batch=1),
+    "cla-static": CacheVariant(lambda model, n: StaticCache(n), overrides={"layers": 4, "kv_owners": (0, 0, 2, 2)}),
+    "yoco-concat": CacheVariant(lambda model, n: ConcatCache(), overrides={"layers": 4}, yoco_window=3),
+    "yoco-static": CacheVariant(lambda model, n: StaticCache(n), overrides={"layers": 4}, yoco_window=3),
+}
+
+
 @pytest.fixture
 def dev():
     return kvlessons.device()
 
 
-@pytest.fixture(params=sorted(CACHE_VARIANTS))
+@pytest.fixture(params=sorted(STORAGE_KINDS))
 def make_cache(request):
+    return STORAGE_KINDS[request.param]
+
+
+@pytest.fixture(params=sorted(CACHE_VARIANTS))
+def variant(request):
     return CACHE_VARIANTS[request.param]
-
-
-def small_model(q_heads=4, kv_heads=2, seed=0, dev=None, **overrides):
-    """A tiny seeded float32 model, small enough for many parametrized cases."""
-    cfg = dict(vocab_size=50, hidden_size=32, layers=2, q_heads=q_heads, kv_heads=kv_heads, head_dim=8, mlp_hidden=48, seed=seed)
-    cfg.update(overrides)
-    return TinyDecoder(TinyConfig(**cfg)).to(dev or "cpu").eval()
 
 
 def random_ids(batch, length, vocab=50, seed=0, dev=None):

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from conftest import HEAD_LAYOUTS, feed_in_chunks, random_ids, small_model
-from kvlessons.cache import ConcatCache, StaticCache
+from kvlessons.cache import CacheInterruptedError, ConcatCache, StaticCache
 from kvlessons.generate import generate
 
 CHUNKINGS = {
@@ -16,34 +16,34 @@ CHUNKINGS = {
 
 @pytest.mark.parametrize("layout", sorted(HEAD_LAYOUTS))
 @pytest.mark.parametrize("chunking", sorted(CHUNKINGS))
-def test_cached_equals_uncached(make_cache, layout, chunking, dev):
-    """Feeding a sequence in chunks through a cache gives the logits of one uncached pass."""
-    model = small_model(*HEAD_LAYOUTS[layout], dev=dev)
-    ids = random_ids(2, 23, dev=dev)
+def test_cached_equals_uncached(variant, layout, chunking, dev):
+    """Feeding a sequence in chunks through a cache gives the logits of one uncached pass, for every variant."""
+    model = variant.model(*HEAD_LAYOUTS[layout], dev=dev)
+    ids = random_ids(variant.max_batch, 23, dev=dev)
     with torch.inference_mode():
         reference = model(ids)  # (B, T, vocab), no cache: positions 0..T-1 in one pass
-    cache = make_cache(23)
+    cache = variant.make_cache(model, 23)
     got = feed_in_chunks(model, ids, CHUNKINGS[chunking], cache)
     assert cache.seq_len == 23
     torch.testing.assert_close(got, reference, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("layout", sorted(HEAD_LAYOUTS))
-def test_cached_generation_equals_recompute(make_cache, layout, dev):
+def test_cached_generation_equals_recompute(variant, layout, dev):
     """Greedy generation with a cache picks the same tokens from the same logits as recomputing."""
-    model = small_model(*HEAD_LAYOUTS[layout], dev=dev)
-    prompt = random_ids(2, 6, seed=3, dev=dev)
+    model = variant.model(*HEAD_LAYOUTS[layout], dev=dev)
+    prompt = random_ids(variant.max_batch, 6, seed=3, dev=dev)
     slow = generate(model, prompt, 20)
-    fast = generate(model, prompt, 20, cache=make_cache(26))
+    fast = generate(model, prompt, 20, cache=variant.make_cache(model, 26))
     assert torch.equal(slow.tokens, fast.tokens)
     torch.testing.assert_close(fast.logits, slow.logits, atol=1e-5, rtol=1e-5)
 
 
-def test_generate_twice_after_reset(make_cache, dev):
+def test_generate_twice_after_reset(variant, dev):
     """reset() empties the cache: a second generation gives the same tokens and logits as the first."""
-    model = small_model(dev=dev)
+    model = variant.model(dev=dev)
     prompt = random_ids(1, 5, dev=dev)
-    cache = make_cache(30)
+    cache = variant.make_cache(model, 30)
     first = generate(model, prompt, 12, cache=cache)
     assert cache.seq_len == 5 + 12 - 1
     cache.reset()
@@ -53,11 +53,11 @@ def test_generate_twice_after_reset(make_cache, dev):
     torch.testing.assert_close(first.logits, second.logits)
 
 
-def test_forgetting_reset_changes_the_output(make_cache, dev):
+def test_forgetting_reset_changes_the_output(variant, dev):
     """Without reset() the second prompt is read as a continuation, so its logits differ (the stale-cache bug)."""
-    model = small_model(dev=dev)
+    model = variant.model(dev=dev)
     prompt = random_ids(1, 5, dev=dev)
-    cache = make_cache(40)
+    cache = variant.make_cache(model, 40)
     first = generate(model, prompt, 6, cache=cache)
     stale = generate(model, prompt, 6, cache=cache)
     assert not torch.allclose(first.logits, stale.logits)
@@ -75,6 +75,128 @@ def test_crop_then_edit_equals_uncached(make_cache, dev):
         cache.crop(8)
         tail = model(edited[:, 8:], cache=cache)
         torch.testing.assert_close(tail, model(edited)[:, 8:], atol=1e-5, rtol=1e-5)
+
+
+def test_crop_last_token_then_edit_equals_uncached(variant, dev):
+    """Every variant can take back its last token (within any window) and continue from an edited one."""
+    model = variant.model(dev=dev)
+    ids = random_ids(1, 12, dev=dev)
+    edited = ids.clone()
+    edited[0, 11] = (edited[0, 11] + 1) % 50
+    with torch.inference_mode():
+        cache = variant.make_cache(model, 16)
+        model(ids, cache=cache)
+        cache.crop(11)
+        assert cache.seq_len == 11
+        tail = model(edited[:, 11:], cache=cache)
+        torch.testing.assert_close(tail, model(edited)[:, 11:], atol=1e-5, rtol=1e-5)
+
+
+# -- all or nothing ------------------------------------------------------------------------------
+
+
+def cache_state(cache):
+    """Everything a reader of ``cache`` can see: counters, bytes, and each layer's held K/V."""
+    layers = []
+    for layer in cache.layers():
+        k, v = layer.keys, layer.values
+        layers.append((layer.seq_len, None if k is None else k.clone(), None if v is None else v.clone()))
+    return cache.seq_len, cache.nbytes(), layers
+
+
+def assert_same_state(before, after):
+    assert after[:2] == before[:2]  # seq_len and nbytes
+    assert len(after[2]) == len(before[2])
+    for (n0, k0, v0), (n1, k1, v1) in zip(before[2], after[2]):
+        assert n1 == n0
+        for a, b in ((k0, k1), (v0, v1)):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert torch.equal(a, b)
+
+
+def raise_in(model, where, exc):
+    """A hook that raises ``exc`` in the middle block (after it wrote its cache) or in the final norm (after every layer)."""
+    module = model.blocks[len(model.blocks) // 2] if where == "middle-layer" else model.norm
+
+    def hook(*_):
+        raise exc
+
+    return module.register_forward_hook(hook)
+
+
+@pytest.mark.parametrize("where", ["middle-layer", "after-last-layer"])
+@pytest.mark.parametrize("exc", [RuntimeError("out of memory (simulated)"), KeyboardInterrupt()], ids=["error", "ctrl-c"])
+def test_failed_pass_leaves_the_cache_as_it_was(variant, where, exc, dev):
+    """An exception after some (or all) layers wrote leaves the cache exactly as before; the next passes are right."""
+    model = variant.model(layers=4, dev=dev) if "layers" not in variant.overrides else variant.model(dev=dev)
+    ids = random_ids(variant.max_batch, 16, dev=dev)
+    with torch.inference_mode():
+        reference = model(ids)
+        cache = variant.make_cache(model, 16)
+        first = model(ids[:, :9], cache=cache)
+        before = cache_state(cache)
+        handle = raise_in(model, where, exc)
+        with pytest.raises(type(exc)):
+            model(ids[:, 9:12], cache=cache)  # a multi-token append into a non-empty cache
+        handle.remove()
+        assert_same_state(before, cache_state(cache))
+        rest = [model(ids[:, 9:12], cache=cache), model(ids[:, 12:13], cache=cache), model(ids[:, 13:], cache=cache)]
+    torch.testing.assert_close(torch.cat([first, *rest], dim=1), reference, atol=1e-5, rtol=1e-5)
+
+
+def test_failed_first_pass_leaves_an_empty_cache(variant, dev):
+    """A failure in the very first pass (layers created during it) leaves the cache as new."""
+    model = variant.model(dev=dev)
+    ids = random_ids(variant.max_batch, 6, dev=dev)
+    cache = variant.make_cache(model, 6)
+    before = cache_state(cache)
+    handle = raise_in(model, "after-last-layer", KeyboardInterrupt())
+    with torch.inference_mode(), pytest.raises(KeyboardInterrupt):
+        model(ids, cache=cache)
+    handle.remove()
+    assert_same_state(before, cache_state(cache))
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids, cache=cache), model(ids), atol=1e-5, rtol=1e-5)
+
+
+def test_bad_token_id_changes_nothing(variant, dev):
+    """An id outside the vocabulary is refused with ValueError before any layer writes."""
+    model = variant.model(dev=dev)
+    cache = variant.make_cache(model, 10)
+    with torch.inference_mode():
+        model(random_ids(1, 4, dev=dev), cache=cache)
+        before = cache_state(cache)
+        for bad in (50, -1):
+            with pytest.raises(ValueError, match="vocab_size"):
+                model(torch.tensor([[1, bad]], device=dev), cache=cache)
+        assert_same_state(before, cache_state(cache))
+
+
+def test_interrupted_restore_refuses_until_reset(dev):
+    """If the restore itself is interrupted, the cache refuses the next pass, saying to reset(); reset() recovers."""
+    model = small_model(dev=dev)
+    ids = random_ids(1, 8, dev=dev)
+    cache = ConcatCache()
+    with torch.inference_mode():
+        model(ids[:, :4], cache=cache)
+        layer = cache.layers()[0]
+
+        def restore_interrupted(state):
+            raise KeyboardInterrupt
+
+        layer.restore = restore_interrupted
+        handle = raise_in(model, "after-last-layer", RuntimeError("boom"))
+        with pytest.raises(KeyboardInterrupt):
+            model(ids[:, 4:6], cache=cache)
+        handle.remove()
+        del layer.restore
+        with pytest.raises(CacheInterruptedError, match=r"reset\(\)"):
+            model(ids[:, 4:6], cache=cache)
+        with pytest.raises(CacheInterruptedError):
+            cache.crop(2)
+        cache.reset()
+        torch.testing.assert_close(model(ids, cache=cache), model(ids), atol=1e-5, rtol=1e-5)
 
 
 def test_full_static_cache_refuses_and_is_unchanged(dev):
