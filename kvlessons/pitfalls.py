@@ -206,6 +206,52 @@ def edit_and_continue(model, ids: torch.Tensor, position: int, new_token: int, c
     return {"logits": logits, "expected": expected, "max_error": (logits - expected).abs().max().item()}
 
 
+class BrokenNoTransaction(TinyDecoder):
+    """BROKEN: the forward pass writes each layer's cache as it goes, with no way back (as most
+    textbook code does). Interrupt it half way and the early layers hold one more append than
+    ``cache.seq_len`` says; every later pass reads keys at the wrong positions."""
+
+    def forward(self, ids, cache=None, last_only=False, pad_mask=None):
+        cache, cos, sin, x, mask = self.begin(ids, cache, pad_mask)
+        x = self.run_blocks(range(len(self.blocks)), x, cos, sin, cache, mask=mask)  # no transaction
+        cache.advance(ids.shape[1])
+        return self.head(x[:, -1:] if last_only else x)
+
+
+@torch.no_grad()
+def interrupted_pass(model, ids: torch.Tensor, prefill: int, interrupt_after_layer: int) -> dict:
+    """Prefill ``prefill`` tokens, then interrupt the next pass (as Ctrl-C would) right after layer
+    ``interrupt_after_layer`` wrote its cache; then re-run that pass, as a learner re-runs the
+    cell, and read the rest of ``ids``.
+
+    Returns the tokens each cache layer holds just after the interruption, ``cache.seq_len``
+    then, and the largest logit difference of the resumed run from one uncached pass.
+    """
+    require_positive_int("prefill", prefill)
+    if not 0 < prefill < ids.shape[1]:
+        raise ValueError(f"prefill must be between 1 and {ids.shape[1] - 1}, got {prefill}")
+    if not 0 <= interrupt_after_layer < len(model.blocks):
+        raise ValueError(f"interrupt_after_layer must be in [0, {len(model.blocks)}), got {interrupt_after_layer}")
+
+    def ctrl_c(*_):
+        raise KeyboardInterrupt
+
+    cache = ConcatCache()
+    model(ids[:, :prefill], cache=cache)
+    handle = model.blocks[interrupt_after_layer].register_forward_hook(ctrl_c)
+    try:
+        model(ids[:, prefill:], cache=cache)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        handle.remove()
+    held = [layer.seq_len for layer in cache.layers()]
+    seq_len = cache.seq_len
+    resumed = model(ids[:, prefill:], cache=cache)  # the cell, run again
+    expected = model(ids)[:, prefill:]
+    return {"layer_tokens": held, "seq_len": seq_len, "max_error": (resumed - expected).abs().max().item()}
+
+
 # ---------------------------------------------------------------------------------------------
 # 4. Left-padded batches
 # ---------------------------------------------------------------------------------------------

@@ -351,3 +351,84 @@ def test_layer_window_mismatch_is_an_error():
     cache.layer(0, window=4)
     with pytest.raises(ValueError, match="window"):
         cache.layer(0)
+
+
+def test_static_window_layer_refuses_more_than_max_len():
+    """A windowed layer of a StaticCache holds at most max_len positions in all, like its full layers."""
+    layer = StaticCache(4).layer(0, window=3)
+    k = torch.ones(1, 1, 3, 2)
+    layer.update(k, k)
+    with pytest.raises(ValueError, match="max_len=4"):
+        layer.update(k, k)
+    assert layer.seq_len == 3
+    layer.update(k[:, :, :1], k[:, :, :1])
+    assert layer.seq_len == 4
+
+
+@pytest.mark.parametrize("lengths", [[4, 4], [4, 3], [3, 3], [2, 1], [5, 4], [5, 5]])
+def test_window_one_layer_crops_repeatedly(make_cache, lengths):
+    """A window-1 query sees only itself, so a window-1 layer can be cropped to any length, again and again."""
+    cache = make_cache(10)
+    layer = cache.layer(0, window=1)
+    for p in range(5):
+        x = torch.full((1, 1, 1, 2), float(p))
+        layer.update(x, x)
+    cache.advance(5)
+    for n in lengths:
+        cache.crop(n)
+        assert cache.seq_len == layer.seq_len == n
+    x = torch.full((1, 1, 1, 2), 9.0)
+    k_all, _ = layer.update(x, x)
+    assert k_all[0, 0, -1].tolist() == [9.0, 9.0] and k_all.shape[2] <= 2  # the new key, at most one older
+    assert layer.keys.flatten().tolist() == [9.0, 9.0]  # afterwards only the newest position is held
+
+
+def test_crop_checks_every_layer_before_changing_any(make_cache):
+    """A crop the last layer's window cannot serve is refused before the first layer is cropped."""
+    cache = make_cache(12)
+    full, local = cache.layer(0), cache.layer(1, window=2)
+    for p in range(10):
+        x = torch.full((1, 1, 1, 2), float(p))
+        full.update(x, x)
+        local.update(x, x)
+    cache.advance(10)
+    with pytest.raises(ValueError, match="already dropped"):
+        cache.crop(4)
+    assert cache.seq_len == full.seq_len == local.seq_len == 10
+    assert full.keys[0, 0, :, 0].tolist() == [float(p) for p in range(10)]
+
+
+def test_update_rejects_a_changed_dtype(make_cache):
+    """A layer holding float32 refuses bfloat16 K/V (a silent cast or a half-done write otherwise)."""
+    layer = make_cache(10).layer(0)
+    layer.update(torch.ones(1, 2, 1, 8), torch.ones(1, 2, 1, 8))
+    with pytest.raises(ValueError, match="bfloat16"):
+        layer.update(torch.ones(1, 2, 1, 8, dtype=torch.bfloat16), torch.ones(1, 2, 1, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="dtype"):
+        layer.update(torch.ones(1, 2, 1, 8), torch.ones(1, 2, 1, 8, dtype=torch.float64))
+    assert layer.seq_len == 1
+
+
+def test_nbytes_is_what_the_tensors_hold(variant, dev):
+    """nbytes() equals the bytes of the distinct tensor storages the cache keeps, found by walking it."""
+    model = variant.model(dev=dev)
+    cache = variant.make_cache(model, 40)
+    generate(model, random_ids(1, 7, dev=dev), 30, cache=cache)
+    if hasattr(cache, "paged"):  # a view reports its share of the shared pool, not the pool
+        return
+    seen, held = set(), 0
+    stack = [cache]
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, torch.Tensor):
+            s = obj.untyped_storage()
+            if s.data_ptr() not in seen:
+                seen.add(s.data_ptr())
+                held += s.nbytes()
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif hasattr(obj, "__dict__"):
+            stack.extend(vars(obj).values())
+    assert cache.nbytes() == held > 0

@@ -7,6 +7,7 @@ from kvlessons.cache import ConcatCache, StaticCache
 from kvlessons.generate import generate
 from kvlessons.pitfalls import (
     BrokenAdvancePerLayer,
+    BrokenNoTransaction,
     BrokenPositionsOffByOne,
     BrokenPositionsRestart,
     BrokenRopeAfterCache,
@@ -18,6 +19,7 @@ from kvlessons.pitfalls import (
     check_cache_consistency,
     edit_and_continue,
     first_token_divergence,
+    interrupted_pass,
     left_pad,
     padded_batch_agreement,
     with_attention,
@@ -141,3 +143,19 @@ def test_bytes_written_counts_quadratic_and_linear(steps):
         assert cache.bytes_written() == bytes_copied(kind, steps, per_token, prompt_len=3)
     with pytest.raises(ValueError, match="cache_kind"):
         bytes_copied("ring", 3, 8)
+
+
+def test_interrupted_pass_without_a_transaction_corrupts_the_cache():
+    """Ctrl-C after layer 0 wrote: without a transaction layer 0 holds the extra tokens and the resumed run is wrong."""
+    model = small_model(layers=3)
+    ids = random_ids(1, 16)
+    broken = interrupted_pass(broken_variant(BrokenNoTransaction, model), ids, prefill=10, interrupt_after_layer=0)
+    assert broken["layer_tokens"][0] == 16 and broken["seq_len"] == 10  # layer 0 is one append ahead
+    assert broken["max_error"] > 0.05
+    fixed = interrupted_pass(model, ids, prefill=10, interrupt_after_layer=1)
+    assert fixed["layer_tokens"] == [10, 10, 10] and fixed["seq_len"] == 10
+    assert fixed["max_error"] < 1e-4
+    with pytest.raises(ValueError, match="prefill"):
+        interrupted_pass(model, ids, prefill=16, interrupt_after_layer=0)
+    with pytest.raises(ValueError, match="interrupt_after_layer"):
+        interrupted_pass(model, ids, prefill=4, interrupt_after_layer=3)

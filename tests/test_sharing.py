@@ -3,6 +3,8 @@ import torch
 
 from conftest import feed_in_chunks, random_ids
 from kvlessons.cache import ConcatCache, StaticCache
+from kvlessons.gqa import convert_to_gqa
+from kvlessons.pitfalls import left_pad
 from kvlessons.generate import count_kv_work, generate
 from kvlessons.memory import kv_cache_bytes
 from kvlessons.model import TinyConfig, TinyDecoder
@@ -156,3 +158,29 @@ def test_format_layers_names_each_role():
     assert all("global K/V" in line for line in lines[2:])
     cla = format_layers(cla_config(BASE, 3).shape)
     assert "reads layer 0's K/V" in cla.splitlines()[2]
+
+
+@pytest.mark.parametrize("name", ["yoco", "cla2"])
+def test_left_padded_batch_equals_each_prompt_alone(make_cache, name, dev):
+    """A left-padded batch (pad_mask) through YOCO or CLA generates what each prompt generates alone,
+    past the window too (the window layers' keys get the matching slice of the padding mask)."""
+    model = SHARED_MODELS[name]().to(dev).eval()
+    prompts = [random_ids(1, n, seed=n, dev=dev)[0] for n in (3, 9, 6)]
+    ids, mask = left_pad(prompts)
+    batch = generate(model, ids, 12, cache=make_cache(9 + 12), pad_mask=mask)
+    for row, prompt in enumerate(prompts):
+        alone = generate(model, prompt[None], 12, cache=make_cache(len(prompt) + 12))
+        assert torch.equal(batch.new_tokens[row], alone.new_tokens[0]), row
+        torch.testing.assert_close(batch.logits[row], alone.logits[0], atol=1e-5, rtol=1e-5)
+
+
+def test_convert_to_gqa_refuses_yoco_and_handles_cla():
+    """A YOCO decoder's global K/V is not per-layer heads: refused with ValueError. CLA converts (owners only)."""
+    with pytest.raises(ValueError, match="YOCODecoder"):
+        convert_to_gqa(SHARED_MODELS["yoco"](), 1)
+    cla = SHARED_MODELS["cla2"]().eval()
+    merged = convert_to_gqa(cla, 1)
+    assert merged.config.kv_owners == cla.config.kv_owners
+    w = cla.blocks[0].attn.k_proj.weight.view(2, 8, -1).mean(0)  # the two KV heads of layer 0, averaged
+    torch.testing.assert_close(merged.blocks[0].attn.k_proj.weight, w)
+    assert not hasattr(merged.blocks[1].attn, "k_proj")
