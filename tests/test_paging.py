@@ -1,9 +1,14 @@
+import dataclasses
 import random
 
 import pytest
 import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
 from conftest import HEAD_LAYOUTS, random_ids, small_model
+from kvlessons import ModelShape
 from kvlessons.attention import attend
 from kvlessons.cache import StaticCache
 from kvlessons.generate import generate
@@ -12,6 +17,7 @@ from kvlessons.paging import (
     BlockTables,
     PagedKVCache,
     PoolExhaustedError,
+    Request,
     block_scenario,
     gather_kv,
     make_workload,
@@ -19,6 +25,12 @@ from kvlessons.paging import (
     paged_attention_blockwise,
     simulate,
 )
+
+
+def public_state(tables):
+    """Every table, length, reference count and the free list, read through public attributes."""
+    sequences = {s: (list(q.table), q.length) for s, q in tables.sequences.items()}
+    return sequences, list(tables.allocator.ref_counts), sorted(tables.allocator.free_blocks())
 
 
 # --- the allocator and the tables --------------------------------------------------------------
@@ -40,43 +52,49 @@ def test_allocator_all_or_nothing():
 
 @pytest.mark.parametrize("seed", range(25))
 def test_random_operations_keep_the_invariants(seed):
-    """Random add / append / fork / free (with prefix sharing) never break the bookkeeping."""
+    """Random add / reserve / advance / abandon / fork / crop / free (with prefix sharing) never break the bookkeeping."""
     rng = random.Random(seed)
     t = BlockTables(num_blocks=rng.randint(4, 24), block_size=rng.choice([1, 2, 4, 8]))
-    prompts = [[rng.randint(0, 3) for _ in range(rng.randint(1, 20))] for _ in range(4)]
+    system = [rng.randint(0, 3) for _ in range(8)]
+    prompts = [system[: rng.randint(1, 8)] + [rng.randint(0, 3) for _ in range(rng.randint(0, 12))] for _ in range(4)]
     for _ in range(120):
         op = rng.random()
         live = list(t.sequences)
-        try:
-            if op < 0.25 or not live:
-                prompt = rng.choice(prompts)
-                sid, reused = t.add_sequence(prompt)
-                rest = len(prompt) - reused
+        if op < 0.2 or not live:
+            prompt = rng.choice(prompts + [None])
+            sid, reused = t.add_sequence(prompt)
+            rest = len(prompt or []) - reused
+            if rest:
                 try:
-                    t.reserve(sid, rest)
+                    t.append(sid, rest)  # the prompt's ids were declared: no need to repeat them
                 except PoolExhaustedError:
                     t.free(sid)
-                    t.check_invariants()
-                    continue
-                t.advance(sid, rest)
-            elif op < 0.65:
-                sid = rng.choice(live)
-                n = rng.randint(1, 6)
-                before = {s: (list(q.table), q.length) for s, q in t.sequences.items()}
-                free_before = t.allocator.num_free
-                try:
-                    t.reserve(sid, n)
-                except PoolExhaustedError:
-                    after = {s: (list(q.table), q.length) for s, q in t.sequences.items()}
-                    assert after == before and t.allocator.num_free == free_before  # refused, unchanged
-                    continue
-                t.advance(sid, n, [rng.randint(0, 3) for _ in range(n)])
-            elif op < 0.8:
-                t.fork(rng.choice(live))
+        elif op < 0.55:
+            sid = rng.choice(live)
+            n = rng.randint(1, 6)
+            before = t.state()
+            try:
+                t.reserve(sid, n)
+            except PoolExhaustedError:
+                assert t.state() == before  # refused, unchanged
+                continue
+            if rng.random() < 0.2:
+                t.abandon(sid)  # the pass that was to write them failed
             else:
-                t.free(rng.choice(live))
-        finally:
-            t.check_invariants()
+                seq = t.sequences[sid]
+                ids = [seq.prompt[p] if p < len(seq.prompt) else rng.randint(0, 3) for p in range(seq.length, seq.length + n)]
+                t.advance(sid, n, ids if rng.random() < 0.7 else None)
+        elif op < 0.7:
+            try:
+                t.fork(rng.choice(live))
+            except PoolExhaustedError:
+                pass
+        elif op < 0.8:
+            sid = rng.choice(live)
+            t.crop(sid, rng.randint(0, t.sequences[sid].length))
+        else:
+            t.free(rng.choice(live))
+        t.check_invariants()
         assert t.slots_used() <= t.slots_held()
 
 
@@ -119,6 +137,290 @@ def test_prefix_sharing_reuses_full_blocks_only():
     d, reused_d = t.add_sequence([0, 1, 2, 99] + prompt[4:])
     assert reused_d == 0  # the first block differs, so the chain of hashes breaks at once
     t.check_invariants()
+
+
+def test_a_fork_never_shares_a_block_either_will_write():
+    """A fork made while its parent has room reserved (say, after a failed pass) never writes into the parent's blocks."""
+    pool = PagedKVCache(ModelShape(layers=1, q_heads=1, kv_heads=1, head_dim=1), num_blocks=8, block_size=4)
+    a, _ = pool.add_sequence()
+    ones = torch.ones(1, 1, 2, 1)
+    pool.append(a, [ones], [ones])  # positions 0, 1
+    pool.reserve(a, 6)  # room for positions 2..7: the rest of block 0 and all of the next block, unwritten
+    b = pool.fork(a)
+    pool.check_invariants()
+    for seq, value in ((a, 10.0), (b, 20.0)):  # each writes its own positions 2..7
+        kv = torch.full((1, 1, 6, 1), value)
+        pool.reserve(seq, 6)
+        pool.write(0, seq, kv, kv)
+        pool.advance(seq, 6)
+    assert pool.gather(0, a, 8)[0].flatten().tolist() == [1.0, 1.0] + [10.0] * 6
+    assert pool.gather(0, b, 8)[0].flatten().tolist() == [1.0, 1.0] + [20.0] * 6
+    pool.check_invariants()
+
+
+def test_abandon_gives_back_the_unwritten_reservation():
+    """abandon() frees the blocks a reservation added and keeps the written positions; nothing is left to advance into."""
+    t = BlockTables(num_blocks=6, block_size=4)
+    a, _ = t.add_sequence()
+    t.append(a, 5)  # blocks 0 and 1
+    t.reserve(a, 8)  # positions 5..12: the rest of block 1, then two more blocks
+    assert len(t.sequences[a].table) == 4
+    assert t.abandon(a) == 2
+    assert t.sequences[a].table == [0, 1] and t.sequences[a].length == 5 and t.allocator.num_free == 4
+    with pytest.raises(ValueError, match="reserved"):
+        t.advance(a, 1)
+    t.check_invariants()
+
+
+def test_token_ids_stay_at_their_positions():
+    """Ids given for positions 4..7 after four positions without ids never make block 0 look like those ids."""
+    t = BlockTables(num_blocks=8, block_size=4)
+    a, _ = t.add_sequence()
+    t.append(a, 4)  # ids unknown
+    t.append(a, 4, [1, 2, 3, 4])  # the ids of positions 4..7
+    b, reused = t.add_sequence([1, 2, 3, 4, 5])
+    assert reused == 0  # block 0 holds unknown ids: it must not serve a prompt starting 1, 2, 3, 4
+    c, _ = t.add_sequence()
+    t.append(c, 4, [1, 2, 3, 4])  # the same ids at positions 0..3: now block 0 of c can serve
+    d, reused = t.add_sequence([1, 2, 3, 4, 5])
+    assert reused == 4 and t.sequences[d].table[0] == t.sequences[c].table[0]
+    t.check_invariants()
+
+
+@pytest.mark.parametrize(
+    "args, rule",
+    [
+        ((-1,), "new_tokens must be positive"),
+        ((0,), "new_tokens must be positive"),
+        ((2, [1]), "one id per new position"),
+        ((4,), "reserved"),
+        ((2, [1, 9]), "declared"),
+    ],
+    ids=["negative", "zero", "ids-of-wrong-length", "past-the-reservation", "contradicts-the-prompt"],
+)
+def test_inconsistent_advance_is_refused_and_changes_nothing(args, rule):
+    """advance refuses counts that are not positive, id lists of the wrong length, unreserved positions and ids against the prompt."""
+    t = BlockTables(num_blocks=8, block_size=4)
+    a, _ = t.add_sequence([1, 2, 3, 4, 5, 6])
+    t.reserve(a, 3)
+    before = public_state(t)
+    with pytest.raises(ValueError, match=rule):
+        t.advance(a, *args)
+    assert public_state(t) == before
+
+
+def test_prefix_cache_names_blocks_by_sha256_so_python_hash_collisions_do_no_harm():
+    """Two prompts whose tuples collide under Python's hash() each get their own prefix-cache entry."""
+    m = 2**61 - 1  # on 64-bit CPython an int hashes to itself modulo 2**61 - 1, so hash(m) == hash(0)
+    first, crafted = [0, 0, 0, 0, 7], [m, m, m, m, 7]
+    assert hash((0, tuple(first[:4]))) == hash((0, tuple(crafted[:4])))  # the collision a hash() chain would suffer
+    t = BlockTables(num_blocks=8, block_size=4)
+    writers = []
+    for prompt in (first, crafted):
+        sid, reused = t.add_sequence(prompt)
+        assert reused == 0
+        t.append(sid, len(prompt))
+        writers.append(sid)
+    for prompt, writer in zip((first, crafted), writers):
+        sid, reused = t.add_sequence(prompt)
+        assert reused == 4 and t.sequences[sid].table[0] == t.sequences[writer].table[0]
+    t.check_invariants()
+    from kvlessons.paging import ROOT_HASH, chain_hash
+
+    assert len(chain_hash(ROOT_HASH, first[:4])) == 32
+    assert chain_hash(ROOT_HASH, first[:4]) != chain_hash(ROOT_HASH, crafted[:4])
+
+
+def test_crop_takes_a_no_longer_full_block_out_of_the_prefix_cache():
+    """After crop(6) with blocks of 4, block 0 still serves the prompt, block 1 (2 positions left) does not."""
+    t = BlockTables(num_blocks=8, block_size=4)
+    prompt = list(range(9))
+    a, _ = t.add_sequence(prompt)
+    t.append(a, 9)
+    t.reserve(a, 4)
+    t.crop(a, 6)
+    with pytest.raises(ValueError, match="reserved"):
+        t.advance(a, 1)  # crop gave back the reservation too
+    assert len(t.sequences[a].table) == 2
+    b, reused = t.add_sequence(prompt)
+    assert reused == 4
+    t.check_invariants()
+
+
+def test_a_cached_block_is_copied_before_a_write_even_when_one_sequence_holds_it():
+    """A block in the prefix cache is never written: a sequence that cropped into it, and now holds it alone, copies it."""
+    one_layer = ModelShape(layers=1, q_heads=1, kv_heads=1, head_dim=1)
+    pool = PagedKVCache(one_layer, num_blocks=8, block_size=4)
+    a, _ = pool.add_sequence([1, 2, 3, 4, 5])
+    k = torch.arange(5.0).view(1, 1, 5, 1)
+    pool.append(a, [k], [k])  # block 0 (ids 1, 2, 3, 4) joins the prefix cache
+    b = pool.fork(a)
+    pool.crop(b, 2)  # b keeps two positions of block 0, which a still holds in full
+    pool.free(a)  # now b alone holds block 0, and it is still cached for prompts starting 1, 2, 3, 4
+    new = torch.full((1, 1, 2, 1), 9.0)
+    pool.append(b, [new], [new], tokens=[8, 9])
+    pool.check_invariants()
+    assert pool.gather(0, b, 4)[0].flatten().tolist() == [0.0, 1.0, 9.0, 9.0]
+    c, reused = pool.add_sequence([1, 2, 3, 4, 5])
+    assert reused == 0  # the cached block went with the copy: no block holds ids 1, 2, 3, 4 any more
+
+
+def test_check_invariants_catches_shared_writable_blocks_and_mislabelled_cached_blocks():
+    """A writable block held by two tables, or a cached block whose holder has other ids there, is reported."""
+    t = BlockTables(num_blocks=8, block_size=4)
+    a, _ = t.add_sequence()
+    t.append(a, 5, [1, 2, 3, 4, 5])
+    t.reserve(a, 2)
+    t.check_invariants()
+    seq = t.sequences[a]
+    b, _ = t.add_sequence()
+    t.sequences[b] = dataclasses.replace(seq, table=list(seq.table))  # every block shared, as a careless fork would
+    for block in seq.table:
+        t.allocator.incref(block)
+    with pytest.raises(AssertionError, match="may write into block"):
+        t.check_invariants()
+    t.free(b)
+    t.abandon(a)
+    t.check_invariants()
+    t.sequences[a].ids[2] = 9  # block 0 is cached as ids 1, 2, 3, 4
+    with pytest.raises(AssertionError, match="cached with other ids"):
+        t.check_invariants()
+
+
+# --- property-based: random operations on a pool whose data says what it should hold -------------
+
+PROMPTS = [None, [5, 6, 7], [5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 8, 1, 2], [5, 6, 7, 8, 9, 10, 11, 12, 13], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+
+
+def fingerprints(ids):
+    """One number per position that depends on every id up to it, as a position's K/V depends on its prefix."""
+    out, h = [], 0
+    for token in ids:
+        h = (h * 31 + token + 1) % 2**21  # small enough to be exact in float32
+        out.append(float(h))
+    return out
+
+
+class PagedPoolMachine(RuleBasedStateMachine):
+    """Add, reserve, write, abandon, fork, crop, clear and free at random on a one-layer pool.
+
+    Each position stores the fingerprint of the true ids up to it (K) and its negation
+    (V), so reading a sequence back checks that forks, copy-on-write and prefix reuse
+    never hand it data that is not its own. The bookkeeping invariants hold after
+    every step, and every refused call changes nothing.
+    """
+
+    @initialize(num_blocks=st.integers(3, 10), block_size=st.sampled_from([1, 2, 3, 4]))
+    def start(self, num_blocks, block_size):
+        self.pool = PagedKVCache(ModelShape(layers=1, q_heads=1, kv_heads=1, head_dim=1), num_blocks, block_size)
+        self.true_ids = {}  # seq_id -> the id at every written position, whether or not the tables were told
+
+    def pick(self, data, where=lambda seq: True):
+        return data.draw(st.sampled_from(sorted(s for s, q in self.pool.sequences.items() if where(q))))
+
+    def refused(self, call, error):
+        """``call`` raises ``error`` and leaves every table, count and map as it was."""
+        before = self.pool.state()
+        with pytest.raises(error):
+            call()
+        assert self.pool.state() == before
+
+    def tried(self, call, need):
+        """Run ``call``; if the pool is exhausted, it must have been short of ``need`` blocks and changed nothing."""
+        before, free = self.pool.state(), self.pool.allocator.num_free
+        try:
+            return call()
+        except PoolExhaustedError:
+            assert need > free
+            assert self.pool.state() == before
+            return None
+
+    @precondition(lambda self: len(self.pool.sequences) < 5)  # a few sequences; steps go to what they do
+    @rule(prompt=st.sampled_from(PROMPTS))
+    def add(self, prompt):
+        sid, reused = self.pool.add_sequence(prompt)
+        self.true_ids[sid] = (prompt or [])[:reused]
+
+    def grow(self, data, sid):
+        """Reserve some positions, then write some of the reservation (perhaps none: a pass that failed)."""
+        n = data.draw(st.integers(1, 6))
+        if self.tried(lambda: self.pool.reserve(sid, n), self.pool.blocks_needed(sid, n)) is None:
+            return
+        seq = self.pool.sequences[sid]
+        written = seq.reserved if data.draw(st.booleans()) else data.draw(st.integers(0, seq.reserved))
+        if written:
+            # Inside the declared prompt the true ids are the prompt's (that is what declaring means).
+            new = [seq.prompt[p] if p < len(seq.prompt) else data.draw(st.integers(0, 3)) for p in range(seq.length, seq.length + written)]
+            k = torch.tensor(fingerprints(self.true_ids[sid] + new)[-written:]).view(1, 1, written, 1)
+            self.pool.write(0, sid, k, -k)
+            self.pool.advance(sid, written, new if data.draw(st.booleans()) else None)
+            self.true_ids[sid] += new
+
+    @precondition(lambda self: self.pool.sequences)
+    @rule(data=st.data())
+    def reserve_and_write(self, data):
+        self.grow(data, self.pick(data))
+
+    @precondition(lambda self: self.pool.sequences)
+    @rule(data=st.data())
+    def refused_advances(self, data):
+        sid = self.pick(data)
+        seq = self.pool.sequences[sid]
+        self.refused(lambda: self.pool.advance(sid, seq.reserved + 1), ValueError)
+        self.refused(lambda: self.pool.advance(sid, 0), ValueError)
+        if seq.reserved >= 2:
+            self.refused(lambda: self.pool.advance(sid, 2, [0]), ValueError)
+        if seq.reserved and seq.length < len(seq.prompt):
+            self.refused(lambda: self.pool.advance(sid, 1, [seq.prompt[seq.length] + 1]), ValueError)
+
+    @precondition(lambda self: self.pool.sequences)
+    @rule(data=st.data())
+    def fork(self, data):
+        sid = self.pick(data)
+        seq = self.pool.sequences[sid]
+        child = self.tried(lambda: self.pool.fork(sid), int(bool(seq.length % self.pool.block_size and seq.reserved)))
+        if child is not None:
+            self.true_ids[child] = list(self.true_ids[sid])
+            self.grow(data, data.draw(st.sampled_from([sid, child])))  # one of the two writes on at once
+
+    @precondition(lambda self: self.pool.sequences)
+    @rule(data=st.data(), how=st.sampled_from(["abandon", "crop", "clear", "free"]))
+    def let_go(self, data, how):
+        """Give back a sequence's reservation, rewind it, empty it, or end it."""
+        sid = self.pick(data)
+        if how == "abandon":
+            self.pool.abandon(sid)
+        elif how == "crop":
+            length = data.draw(st.integers(0, self.pool.sequences[sid].length))
+            self.pool.crop(sid, length)
+            del self.true_ids[sid][length:]
+        elif how == "clear":
+            self.pool.clear(sid)
+            self.true_ids[sid] = []
+        else:
+            self.pool.free(sid)
+            del self.true_ids[sid]
+
+    @invariant()
+    def every_sequence_reads_what_it_wrote(self):
+        self.pool.check_invariants()
+        assert self.pool.slots_used() <= self.pool.slots_held()
+        for sid, seq in self.pool.sequences.items():
+            truth = self.true_ids[sid]
+            assert len(truth) == seq.length
+            assert all(known in (None, true) for known, true in zip(seq.ids, truth))
+            if seq.length:
+                k, v = self.pool.gather(0, sid, seq.length)
+                assert k.flatten().tolist() == fingerprints(truth)
+                assert (-v).flatten().tolist() == fingerprints(truth)
+
+
+def test_random_pool_operations_keep_the_invariants_and_the_data():
+    """Hypothesis drives the pool: invariants hold, refusals change nothing, every sequence reads its own K/V."""
+    run_state_machine_as_test(
+        PagedPoolMachine,
+        settings=settings(max_examples=100, stateful_step_count=40, deadline=None, database=None, derandomize=True),
+    )
 
 
 # --- paged attention ---------------------------------------------------------------------------
@@ -219,6 +521,129 @@ def test_full_paged_pool_refuses_before_writing(dev):
     paged.check_invariants()
 
 
+def raise_in_middle_block(model, exc):
+    """A hook that raises ``exc`` after the middle block has written its cache."""
+
+    def hook(*_):
+        raise exc
+
+    return model.blocks[len(model.blocks) // 2].register_forward_hook(hook)
+
+
+def held_kv(pool, seq_ids):
+    """Copies of the keys and values every layer of each sequence holds."""
+    layers = [pool.view(s).layer(i) for s in seq_ids for i in pool.k_pools]
+    return [t.clone() for layer in layers for t in (layer.keys, layer.values)]
+
+
+def test_a_failed_pass_leaves_a_shared_pool_exactly_as_it_was(dev):
+    """A pass that copied a shared block and wrote half its layers, then failed, leaves every table, count and K/V as before."""
+    model = small_model(dev=dev, layers=4)
+    ids = random_ids(1, 12, dev=dev)
+    pool = PagedKVCache(model.shape, num_blocks=12, block_size=4, device=dev)
+    a, _ = pool.add_sequence(ids[0, :10].tolist())
+    with torch.inference_mode():
+        model(ids[:, :10], cache=pool.view(a))
+        b = pool.fork(a)  # shares A's three blocks, the last one partly filled
+        before, held = public_state(pool), held_kv(pool, (a, b))
+        handle = raise_in_middle_block(model, KeyboardInterrupt())
+        with pytest.raises(KeyboardInterrupt):
+            model(ids[:, 10:12], cache=pool.view(b))  # copies the shared block, writes two layers, fails
+        handle.remove()
+        assert public_state(pool) == before
+        assert all(torch.equal(x, y) for x, y in zip(held_kv(pool, (a, b)), held))
+        pool.check_invariants()
+        torch.testing.assert_close(model(ids[:, 10:12], cache=pool.view(b)), model(ids)[:, 10:], atol=1e-5, rtol=1e-5)
+    pool.check_invariants()
+
+
+def test_a_view_refuses_ids_that_contradict_the_declared_prompt(dev):
+    """Feeding other ids than add_sequence(prompt) declared raises ValueError and changes nothing."""
+    model = small_model(dev=dev)
+    prompt = random_ids(1, 6, dev=dev)
+    pool = PagedKVCache(model.shape, num_blocks=8, block_size=4, device=dev)
+    a, _ = pool.add_sequence(prompt[0].tolist())
+    wrong = prompt.clone()
+    wrong[0, 3] = (wrong[0, 3] + 1) % 50
+    before = public_state(pool)
+    with torch.inference_mode(), pytest.raises(ValueError, match="declared"):
+        model(wrong, cache=pool.view(a))
+    assert public_state(pool) == before
+    pool.check_invariants()
+
+
+def test_generated_tokens_fill_reusable_blocks(dev):
+    """A view records the ids it is fed, so a prompt repeating a whole conversation reuses its generated part too."""
+    model = small_model(dev=dev)
+    pool = PagedKVCache(model.shape, num_blocks=20, block_size=4, device=dev)
+    prompt = random_ids(1, 6, dev=dev)
+    a, _ = pool.add_sequence(prompt[0].tolist())
+    conversation = generate(model, prompt, 10, cache=pool.view(a)).tokens  # 6 + 10 tokens; 15 were fed
+    follow_up = torch.cat([conversation, random_ids(1, 2, seed=4, dev=dev)], dim=1)
+    b, reused = pool.add_sequence(follow_up[0].tolist())
+    assert reused == 12  # positions 0..11: three full blocks, two of them generated
+    shared = generate(model, follow_up[:, reused:], 5, cache=pool.view(b))
+    alone = generate(model, follow_up, 5, cache=StaticCache(follow_up.shape[1] + 5))
+    assert torch.equal(shared.new_tokens, alone.new_tokens)
+    pool.check_invariants()
+
+
+def test_crop_rewinds_one_sequence_and_copy_on_write_protects_its_fork(dev):
+    """Cropping into a block shared with a fork and continuing with edited ids leaves the fork's K/V untouched."""
+    model = small_model(dev=dev)
+    ids = random_ids(1, 14, dev=dev)
+    edited = ids.clone()
+    edited[0, 6] = (edited[0, 6] + 1) % 50
+    pool = PagedKVCache(model.shape, num_blocks=16, block_size=4, device=dev)
+    a, _ = pool.add_sequence()
+    with torch.inference_mode():
+        model(ids[:, :10], cache=pool.view(a))
+        b = pool.fork(a)
+        fork_keys = pool.view(b).layer(0).keys.clone()
+        view = pool.view(a)
+        view.crop(6)  # inside block 1 (positions 4..7), which b also holds
+        assert view.seq_len == 6 and pool.sequences[a].table == pool.sequences[b].table[:2]
+        torch.testing.assert_close(model(edited[:, 6:], cache=view), model(edited)[:, 6:], atol=1e-5, rtol=1e-5)
+        assert pool.sequences[a].table[1] != pool.sequences[b].table[1]  # copied before the write
+        assert torch.equal(pool.view(b).layer(0).keys, fork_keys)
+        torch.testing.assert_close(model(ids[:, 10:], cache=pool.view(b)), model(ids)[:, 10:], atol=1e-5, rtol=1e-5)
+    pool.check_invariants()
+
+
+def test_a_view_has_every_layer_measures_its_blocks_and_resets(dev):
+    """layers() gives one object per cache layer; nbytes() is the blocks the table holds; reset() frees them."""
+    model = small_model(dev=dev)  # two layers
+    pool = PagedKVCache(model.shape, num_blocks=8, block_size=4, device=dev)
+    a, _ = pool.add_sequence()
+    view = pool.view(a)
+    assert len(view.layers()) == 2 and view.nbytes() == 0
+    with torch.inference_mode():
+        model(random_ids(1, 6, dev=dev), cache=view)
+    assert [layer.seq_len for layer in view.layers()] == [6, 6]
+    assert view.nbytes() == 2 * pool.bytes_per_block()
+    view.reset()
+    assert view.seq_len == 0 and view.nbytes() == 0 and pool.allocator.num_free == 8 and a in pool.sequences
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize(
+    "shape, rule",
+    [((1, 3, 2, 8), "kv_heads=2"), ((1, 2, 2, 4), "head_dim=8"), ((2, 2, 2, 8), "batch size 1")],
+    ids=["kv-heads", "head-dim", "batch"],
+)
+def test_paged_write_refuses_keys_of_the_wrong_shape(shape, rule):
+    """K/V that do not fit the pool's (kv_heads, head_dim), or a batch of several sequences, raise ValueError naming the rule."""
+    pool = PagedKVCache(ModelShape(layers=1, q_heads=4, kv_heads=2, head_dim=8), num_blocks=4, block_size=4)
+    a, _ = pool.add_sequence()
+    pool.reserve(a, 2)
+    k = torch.ones(shape)
+    with pytest.raises(ValueError, match=rule):
+        pool.write(0, a, k, k)
+    with pytest.raises(ValueError, match=rule):
+        pool.view(a).layer(0).update(k, k)
+    assert not pool.k_pools[0].any()
+
+
 def test_nbytes_is_the_pool():
     model = small_model(q_heads=4, kv_heads=2)
     paged = PagedKVCache(model.shape, num_blocks=10, block_size=4)
@@ -245,6 +670,20 @@ def test_simulation_rejects_bad_arguments():
         simulate(reqs, 4096, policy="buddy")
     with pytest.raises(ValueError, match="capacity"):
         simulate(reqs, 0)
+
+
+@pytest.mark.parametrize(
+    "policy, big, max_new_tokens",
+    [("contiguous", Request(1, 0, 100, 50), 60), ("paged", Request(1, 0, 200, 10), None), ("paged", Request(1, 0, 100, 50), None)],
+    ids=["contiguous-reservation", "paged-prompt", "paged-prompt-and-output"],
+)
+def test_simulation_refuses_a_request_larger_than_the_capacity(policy, big, max_new_tokens):
+    """A request that could not run even alone is refused up front, instead of waiting until max_steps."""
+    requests = [Request(0, 0, 10, 5), big]
+    with pytest.raises(ValueError, match="whole capacity"):
+        simulate(requests, capacity=128, policy=policy, block_size=16, max_len=256, max_new_tokens=max_new_tokens, max_steps=2000)
+    fits = simulate(requests[:1], capacity=128, policy=policy, block_size=16, max_len=256, max_new_tokens=max_new_tokens)
+    assert fits.finished == 1
 
 
 def test_block_scenario_events():
