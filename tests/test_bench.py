@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from conftest import small_model
 from kvlessons import bench
@@ -15,9 +16,80 @@ def test_decode_table_has_every_mode_and_speedup():
     assert "recompute ms/tok" in text and len(text.splitlines()) == 3
 
 
-def test_decode_time_leaves_cache_state_repeatable():
-    """decode_time crops the cache back, so every repeat times the same step (runs without error for static)."""
-    assert bench.decode_time(small_model(), 5, "static", repeats=3) > 0
+@pytest.mark.parametrize("mode", ["concat", "static"])
+def test_decode_time_leaves_cache_state_repeatable(mode):
+    """Every timed repeat starts from the same cached tokens, is cropped back to them, and predicts the same logits."""
+    model = small_model()
+    repeats = bench.decode_repeats(model, 5, mode, repeats=3)
+    assert [(r.cached_before, r.cached_after) for r in repeats] == [(5, 5)] * 3
+    for r in repeats[1:]:
+        torch.testing.assert_close(r.logits, repeats[0].logits, atol=0, rtol=0)
+    # ... and that step is the right one: the prediction one uncached pass over the same 6 tokens makes.
+    (uncached,) = bench.decode_repeats(model, 5, "recompute", repeats=1)
+    assert uncached.cached_before == uncached.cached_after == 0
+    torch.testing.assert_close(repeats[0].logits, uncached.logits, atol=1e-5, rtol=1e-5)
+    assert bench.decode_time(model, 5, mode, repeats=3) > 0
+
+
+def test_interleaved_decode_alternates_sides_and_times_only_the_steps(monkeypatch):
+    """Sides run A, B, A, B, ... after a warm-up round; each prefill is outside the timer (a fake clock shows it)."""
+    clock, log = [0.0], []
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+
+    def side(name, step_cost):
+        def start():
+            log.append(f"{name} prefill")
+            clock[0] += 100.0  # a prefill this slow would swamp the steps if it were timed
+
+            def step():
+                log.append(name)
+                clock[0] += step_cost
+                return torch.tensor([[len(log)]])
+
+            return step
+
+        return start
+
+    runs = bench.interleaved_decode({"A": side("A", 1.0), "B": side("B", 3.0)}, new_tokens=2, repeats=3, device="cpu")
+    assert log == ["A prefill", "A", "A", "B prefill", "B", "B"] * 4  # round 0 warms up, then 3 kept
+    assert runs["A"]["seconds"] == [1.0] * 3 and runs["B"]["seconds"] == [3.0] * 3  # seconds per step
+    assert runs["A"]["tokens"].shape == (1, 2)
+
+
+def test_ratio_sentence_follows_the_numbers():
+    """Faster, slower, or no difference within noise, from the quartiles of the per-repeat ratios."""
+    assert bench.ratio_sentence("a", [1.0, 1.0, 1.0], "b", [2.0, 1.8, 2.2]) == (
+        "a is faster than b by 2.00x (spread 1.90-2.10x, quartiles of 3 paired repeats)")
+    assert bench.ratio_sentence("a", [1.0, 1.0, 1.0], "b", [0.5, 0.5, 0.4]) == (
+        "a is slower than b by 2.00x (spread 2.00-2.22x, quartiles of 3 paired repeats)")
+    assert "no difference within noise" in bench.ratio_sentence("a", [1.0, 1.0, 1.0], "b", [1.1, 0.8, 1.3])
+    # One stalled repeat (a once took 40 times as long) does not hide a clear difference.
+    assert bench.ratio_sentence("a", [1.0] * 4 + [40.0], "b", [2.0, 2.1, 1.9, 2.0, 2.0]).startswith(
+        "a is faster than b by 2.00x (spread 1.90-2.00x")
+    with pytest.raises(ValueError, match="same number"):
+        bench.ratio_sentence("a", [1.0], "b", [1.0, 2.0])
+
+
+def test_median_and_quartiles():
+    assert bench.median_and_quartiles([3.0]) == (3.0, 3.0, 3.0)
+    assert bench.median_and_quartiles([5.0, 1.0, 2.0, 4.0, 3.0]) == (3.0, 2.0, 4.0)
+    with pytest.raises(ValueError):
+        bench.median_and_quartiles([])
+
+
+def test_format_decode_comparison_shows_median_spread_and_tokens():
+    runs = {
+        "ours": {"seconds": [0.010, 0.012, 0.011], "tokens": torch.tensor([[1, 2]])},
+        "theirs": {"seconds": [0.020, 0.030, 0.025], "tokens": torch.tensor([[1, 2]])},
+    }
+    lines = bench.format_decode_comparison(runs, baseline="ours").splitlines()
+    assert "median" in lines[0] and "quartiles" in lines[0]
+    assert lines[1].split() == ["ours", "11.0", "10.5-11.5", "10.0-12.0", "90.9"]
+    assert lines[2].split() == ["theirs", "25.0", "22.5-27.5", "20.0-30.0", "40.0"]
+    assert lines[3] == "ours is faster than theirs by 2.27x (spread 2.14-2.39x, quartiles of 3 paired repeats)"
+    assert lines[4] == "every side chose the same tokens"
+    runs["theirs"]["tokens"] = torch.tensor([[1, 3]])
+    assert "different tokens" in bench.format_decode_comparison(runs, baseline="ours")
 
 
 def test_prefill_time_runs():
@@ -47,3 +119,17 @@ def test_paged_decode_time_reports_both_and_the_ratio():
 
 def test_copy_bandwidth_is_positive():
     assert bench.copy_bandwidth(n_bytes=4 * 2**20, repeats=2) > 1e6  # more than a megabyte per second
+
+
+def test_quantized_decode_cost_times_both_caches_on_the_same_text():
+    """Both caches are timed per step in every repeat and fed the same tokens; a bad format is refused first."""
+    model = small_model(head_dim=16)
+    runs = bench.quantized_decode_cost(model, 12, "nvfp4", new_tokens=3, repeats=2)
+    assert list(runs) == ["full precision", "nvfp4"]
+    for run in runs.values():
+        assert len(run["seconds"]) == 2 and all(s > 0 for s in run["seconds"])
+    assert torch.equal(runs["full precision"]["tokens"], runs["nvfp4"]["tokens"])
+    assert runs["nvfp4"]["tokens"].shape == (1, 3)
+    assert "nvfp4" in bench.format_decode_comparison(runs, baseline="full precision")
+    with pytest.raises(ValueError, match="fmt"):
+        bench.quantized_decode_cost(model, 12, "int3")
