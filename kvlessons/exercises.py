@@ -176,16 +176,19 @@ def hint(name: str, level: int = 1) -> str:
 FP4_BLOCK = (-3.0, 1.2, 0.125, 0.6, -0.75, 2.5, 0.0, 1.75, -0.2, 0.375, 1.0, -2.2, 0.9, 0.625, -1.25, 2.0)
 
 
+# The answer key, worked by hand (tests check that kvlessons.fp4.quantize agrees):
+# scale = max|x| / 6 = 3 / 6 = 0.5 (exact in E4M3); x / 0.5 =
+#   -6, 2.4, 0.25, 1.2, -1.5, 5, 0, 3.5, -0.4, 0.75, 2, -4.4, 1.8, 1.25, -2.5, 4
+# nearest E2M1 magnitude (ties 0.25, 0.75, 1.25, 2.5, 3.5, 5 to the even code), sign bit 8 for negatives:
+#   -6, 2, 0, 1, -1.5, 4, 0, 4, -0.5, 1, 2, -4, 2, 1, -2, 4
+# and byte i = code[2i] | code[2i + 1] << 4.
+FP4_BLOCK_SCALE = 0.5
+FP4_BLOCK_CODES = (15, 4, 0, 2, 11, 6, 0, 6, 9, 2, 4, 14, 4, 2, 12, 6)
+FP4_BLOCK_PACKED = (79, 32, 107, 96, 41, 228, 36, 108)
+
+
 def _block_answer():
-    import torch
-
-    from .fp4 import pack_nibbles, quantize
-
-    q = quantize(torch.tensor([FP4_BLOCK]), block=16, tensor_scale=1.0)
-    scale = q.block_scales.float().item()
-    codes = q.codes()[0].tolist()
-    packed = pack_nibbles(torch.tensor([codes], dtype=torch.uint8))[0].tolist()
-    return scale, codes, packed
+    return FP4_BLOCK_SCALE, list(FP4_BLOCK_CODES), list(FP4_BLOCK_PACKED)
 
 
 def check_fp4_block(scale, codes, packed) -> Feedback:

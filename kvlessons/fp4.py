@@ -16,7 +16,7 @@ whose mantissa bit is 0), as torchao does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -25,7 +25,13 @@ from .shape import require_positive_int
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0  # largest finite torch.float8_e4m3fn
+E4M3_MIN = 2.0**-9  # smallest positive torch.float8_e4m3fn (a subnormal: 1/8 x 2^-6)
 _MIDPOINTS = tuple((a + b) / 2 for a, b in zip(E2M1_VALUES, E2M1_VALUES[1:]))  # 0.25, 0.75, ..., 5.0
+
+# The largest magnitude each format stores with a tensor scale of 1. A tensor scale of
+# amax / FORMAT_MAX[fmt] puts a tensor's largest value on it: for NVFP4 that is E2M1's 6
+# times E4M3's largest block scale, 448, so every block scale lands in E4M3's range.
+FORMAT_MAX = {"nvfp4": E2M1_MAX * E4M3_MAX, "fp8": E4M3_MAX, "fp4_tensor": E2M1_MAX}
 
 
 def code_bits(code: int) -> str:
@@ -44,6 +50,9 @@ def e2m1_value(code: int) -> float:
     return -magnitude if code & 8 else magnitude
 
 
+_E2M1_TABLE = torch.tensor([e2m1_value(c) for c in range(16)], dtype=torch.float32)  # value of each code
+
+
 def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
     """Codes (uint8, 0..15) of the E2M1 values nearest to ``x`` (already scaled), ties to even.
 
@@ -60,8 +69,8 @@ def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
 
 def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
     """float32 values of uint8 codes (0..15)."""
-    table = torch.tensor([e2m1_value(c) for c in range(16)], dtype=torch.float32, device=codes.device)
-    return table[codes.long()]
+    # A table lookup; index_select, because plain indexing (table[codes]) is many times slower on CPU.
+    return _E2M1_TABLE.to(codes.device).index_select(0, codes.flatten().long()).view(codes.shape)
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -77,15 +86,23 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([low, high], dim=-1).flatten(-2)
 
 
-def _check_input(x: torch.Tensor, block: int) -> None:
+def _check_block(block) -> int:
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
-        raise ValueError(f"block must be an integer >= 1, got {block!r}")
+        raise ValueError(f"block must be an integer >= 1 (the number of values that share one scale), got {block!r}")
+    return block
+
+
+def _check_input(x: torch.Tensor, block: int = 1, packed: bool = False, name: str = "x") -> None:
+    """Raise ValueError unless ``x`` can be stored: finite, last dimension split into blocks (and pairs, if packed)."""
+    _check_block(block)
     if x.dim() == 0:
-        raise ValueError("x must have at least one dimension")
+        raise ValueError(f"{name} must have at least one dimension")
     if x.shape[-1] % block:
-        raise ValueError(f"the last dimension ({x.shape[-1]}) must be divisible by block ({block})")
+        raise ValueError(f"the last dimension of {name} ({x.shape[-1]}) must be divisible by block ({block})")
+    if packed and x.shape[-1] % 2:
+        raise ValueError(f"the last dimension of {name} must be even to pack two codes per byte, got {x.shape[-1]}")
     if not torch.isfinite(x).all():
-        raise ValueError("x must be finite: NaN or Inf cannot be quantized")
+        raise ValueError(f"{name} must be finite: NaN or Inf cannot be quantized")
 
 
 def to_e4m3(x: torch.Tensor) -> torch.Tensor:
@@ -106,8 +123,9 @@ def fp8_cast_of(value: float) -> float:
 class QuantizedTensor:
     """A tensor stored as codes and scales; ``nbytes`` is what is actually held.
 
-    fmt:          "nvfp4" (packed E2M1 codes + E4M3 block scales) or "fp8" (E4M3 values).
-    data:         uint8 packed codes (nvfp4) or float8_e4m3fn values (fp8).
+    fmt:          "nvfp4" (packed E2M1 codes + E4M3 block scales), "fp8" (E4M3 values)
+                  or "fp4_tensor" (packed E2M1 codes, no block scales).
+    data:         uint8 packed codes (nvfp4, fp4_tensor) or float8_e4m3fn values (fp8).
     block_scales: float8_e4m3fn, one per block of the last dimension (nvfp4), else None.
     tensor_scale: fp32 scalar tensor.
     """
@@ -131,19 +149,21 @@ class QuantizedTensor:
             raise ValueError("codes() is for nvfp4 tensors")
         return unpack_nibbles(self.data)
 
-    def effective_scales(self) -> torch.Tensor:
-        """Per-block multiplier block_scale x tensor_scale, float64, shape (..., n_blocks)."""
-        return self.block_scales.to(torch.float64) * self.tensor_scale.to(torch.float64)
-
     def dequantize(self) -> torch.Tensor:
-        """The stored values in the original shape and dtype."""
+        """The stored values in the original shape and dtype.
+
+        Computed in float32 without error until the last step: an E2M1 value times an
+        E4M3 scale has at most 2 + 4 significant bits, so only the final multiplication
+        by the fp32 tensor scale rounds.
+        """
         if self.fmt == "fp8":
-            return (self.data.to(torch.float32) * self.tensor_scale).to(self.dtype)
-        if self.fmt == "fp4_tensor":
-            return (decode_e2m1(unpack_nibbles(self.data)) * self.tensor_scale).reshape(self.shape).to(self.dtype)
-        values = decode_e2m1(self.codes()).to(torch.float64)
-        blocks = values.view(*values.shape[:-1], -1, self.block) * self.effective_scales()[..., None]
-        return blocks.reshape(self.shape).to(self.dtype)
+            values = self.data.to(torch.float32)
+        elif self.fmt == "fp4_tensor":
+            values = decode_e2m1(unpack_nibbles(self.data))
+        else:
+            blocks = decode_e2m1(unpack_nibbles(self.data)).unflatten(-1, (-1, self.block))  # (..., n_blocks, block)
+            values = (blocks * self.block_scales.to(torch.float32)[..., None]).flatten(-2)
+        return (values * self.tensor_scale).reshape(self.shape).to(self.dtype)
 
 
 def dequantize(q: QuantizedTensor) -> torch.Tensor:
@@ -153,48 +173,53 @@ def dequantize(q: QuantizedTensor) -> torch.Tensor:
 
 def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
     """The per-tensor fp32 scale that maps the largest block scale to E4M3's maximum."""
-    return _tensor_scale(x, None, E2M1_MAX * E4M3_MAX)
+    return _tensor_scale(x, None, FORMAT_MAX["nvfp4"])
 
 
-def _tensor_scale(x: torch.Tensor, given, divisor: float) -> torch.Tensor:
+def _as_scale(value, device, name: str = "tensor_scale") -> torch.Tensor:
+    """``value`` as an fp32 scalar tensor on ``device``; ValueError naming ``name`` unless positive and finite."""
+    scale = torch.as_tensor(value, dtype=torch.float32, device=device).reshape(())
+    if not torch.isfinite(scale) or scale <= 0:
+        raise ValueError(f"{name} must be positive and finite, got {scale.item()}")
+    return scale
+
+
+def _tensor_scale(x: torch.Tensor, given, divisor: float, name: str = "tensor_scale") -> torch.Tensor:
     """``given`` as a checked fp32 scalar, or by default amax(x) / divisor (1 for an all-zero tensor)."""
     if given is None:
         amax = x.detach().abs().max().to(torch.float32)
         given = torch.where(amax > 0, amax / divisor, torch.ones_like(amax))  # all zeros: any scale works
-    scale = torch.as_tensor(given, dtype=torch.float32, device=x.device).reshape(())
-    if not torch.isfinite(scale) or scale <= 0:
-        raise ValueError(f"tensor_scale must be positive and finite, got {scale.item()}")
-    return scale
+    return _as_scale(given, x.device, name)
 
 
 def quantize(x: torch.Tensor, block: int = 16, tensor_scale: torch.Tensor | float | None = None) -> QuantizedTensor:
     """Store ``x`` as NVFP4: E2M1 codes, an E4M3 scale per ``block`` values, one fp32 tensor scale.
 
     Each block's scale is its absolute maximum / 6 (so the block's largest value maps
-    to E2M1's 6), divided by the tensor scale and stored in E4M3. Values are divided by
-    the *stored* scale (as a decoder will multiply by it) and rounded to the nearest
-    E2M1 value, ties to even. ``tensor_scale`` may be given (a calibrated constant, as a
-    cache uses so every write shares it); by default it is amax(x) / (6 x 448).
+    to E2M1's 6), divided by the tensor scale and stored in E4M3; a block that is not
+    all zeros never gets a scale below E4M3's smallest positive value, 2^-9 (rounding to
+    0 would erase the whole block). Values are divided by the *stored* scale (as a
+    decoder will multiply by it) and rounded to the nearest E2M1 value, ties to even.
+    ``tensor_scale`` may be given (a calibrated constant, as a cache uses so every write
+    shares it); by default it is amax(x) / (6 x 448), so the largest block scale is 448.
     """
-    _check_input(x, block)
-    if x.shape[-1] % 2:
-        raise ValueError(f"the last dimension must be even to pack two codes per byte, got {x.shape[-1]}")
-    tensor_scale = _tensor_scale(x, tensor_scale, E2M1_MAX * E4M3_MAX)
-    x64 = x.detach().to(torch.float64)
-    blocks = x64.reshape(*x.shape[:-1], -1, block)  # (..., n_blocks, block)
+    _check_input(x, block, packed=True)
+    tensor_scale = _tensor_scale(x, tensor_scale, FORMAT_MAX["nvfp4"])
+    blocks = x.detach().to(torch.float64).unflatten(-1, (-1, block))  # (..., n_blocks, block)
     amax = blocks.abs().amax(dim=-1)  # (..., n_blocks)
-    block_scales = to_e4m3(amax / E2M1_MAX / tensor_scale.to(torch.float64))
-    effective = block_scales.to(torch.float64) * tensor_scale.to(torch.float64)
-    # A block whose stored scale is 0 (all zeros, or underflow) can only hold zeros.
-    scaled = torch.where(effective[..., None] > 0, blocks / effective[..., None].clamp_min(1e-300), blocks * 0)
+    wanted = amax / E2M1_MAX / tensor_scale.to(torch.float64)
+    block_scales = to_e4m3(torch.where(amax > 0, wanted.clamp_min(E4M3_MIN), wanted))
+    effective = (block_scales.to(torch.float64) * tensor_scale.to(torch.float64))[..., None]
+    # Only an all-zero block has a stored scale of 0; its codes are 0 too.
+    scaled = torch.where(effective > 0, blocks / effective.clamp_min(1e-300), blocks * 0)
     codes = encode_e2m1(scaled).reshape(x.shape)
     return QuantizedTensor("nvfp4", pack_nibbles(codes), block_scales, tensor_scale, x.shape, x.dtype, block)
 
 
 def quantize_fp8(x: torch.Tensor, tensor_scale: torch.Tensor | float | None = None) -> QuantizedTensor:
     """Store ``x`` as E4M3 values times one fp32 tensor scale (default amax / 448); 1 byte per value + 4."""
-    _check_input(x, 1)
-    tensor_scale = _tensor_scale(x, tensor_scale, E4M3_MAX)
+    _check_input(x)
+    tensor_scale = _tensor_scale(x, tensor_scale, FORMAT_MAX["fp8"])
     data = to_e4m3(x.detach().to(torch.float32) / tensor_scale)
     return QuantizedTensor("fp8", data, None, tensor_scale, x.shape, x.dtype)
 
@@ -204,10 +229,8 @@ def quantize_fp4_tensor(x: torch.Tensor, tensor_scale: torch.Tensor | float | No
 
     The format without the part that makes 4 bits usable, for comparison.
     """
-    _check_input(x, 1)
-    if x.shape[-1] % 2:
-        raise ValueError(f"the last dimension must be even to pack two codes per byte, got {x.shape[-1]}")
-    tensor_scale = _tensor_scale(x, tensor_scale, E2M1_MAX)
+    _check_input(x, packed=True)
+    tensor_scale = _tensor_scale(x, tensor_scale, FORMAT_MAX["fp4_tensor"])
     codes = encode_e2m1(x.detach().to(torch.float64) / tensor_scale.to(torch.float64))
     return QuantizedTensor("fp4_tensor", pack_nibbles(codes), None, tensor_scale, x.shape, x.dtype)
 
@@ -215,11 +238,15 @@ def quantize_fp4_tensor(x: torch.Tensor, tensor_scale: torch.Tensor | float | No
 QUANTIZERS = {"nvfp4": quantize, "fp8": quantize_fp8, "fp4_tensor": quantize_fp4_tensor}
 
 
-def fake_quantize(x: torch.Tensor, fmt: str = "nvfp4", **kwargs) -> torch.Tensor:
-    """``x`` after a round trip through the format (what attention sees when reading the cache)."""
+def _check_fmt(fmt) -> str:
     if fmt not in QUANTIZERS:
         raise ValueError(f"fmt must be one of {tuple(QUANTIZERS)}, got {fmt!r}")
-    return QUANTIZERS[fmt](x, **kwargs).dequantize()
+    return fmt
+
+
+def fake_quantize(x: torch.Tensor, fmt: str = "nvfp4", **kwargs) -> torch.Tensor:
+    """``x`` after a round trip through the format (what attention sees when reading the cache)."""
+    return QUANTIZERS[_check_fmt(fmt)](x, **kwargs).dequantize()
 
 
 def relative_error(x: torch.Tensor, approx: torch.Tensor) -> float:
@@ -248,113 +275,151 @@ def outlier_keys(tokens: int = 64, head_dim: int = 64, outlier_channels=(3, 17),
 # A quantized KV cache on the foundation's interface
 # ---------------------------------------------------------------------------------------------
 
-from .cache import KVCache, LayerCache, _check_crop, _check_kv  # noqa: E402
-from .memory import TENSOR_SCALE_BYTES  # noqa: E402
+from .cache import KVCache, LayerCache, _check_kv  # noqa: E402
+
+# A layer's K and V are (B, H_kv, T, D): tokens along dim 2, in the codes and block scales too.
+
+
+def _append_tokens(held: QuantizedTensor | None, new: QuantizedTensor) -> QuantizedTensor:
+    """``held`` followed by ``new`` along the token axis: a new QuantizedTensor, neither input changed."""
+    if held is None:
+        return new
+    cat = lambda a, b: None if a is None else torch.cat([a, b], dim=2)  # noqa: E731
+    b, h, t, d = held.shape
+    return replace(held, data=cat(held.data, new.data), block_scales=cat(held.block_scales, new.block_scales),
+                   shape=torch.Size((b, h, t + new.shape[2], d)))
+
+
+def _first_tokens(held: QuantizedTensor, n: int) -> QuantizedTensor:
+    """The first ``n`` tokens of ``held`` in tensors of their own (a slice would pin the whole storage)."""
+    first = lambda a: None if a is None else a[:, :, :n].clone()  # noqa: E731
+    b, h, _, d = held.shape
+    return replace(held, data=first(held.data), block_scales=first(held.block_scales), shape=torch.Size((b, h, n, d)))
 
 
 class QuantizedLayer(LayerCache):
-    """K and V stored as NVFP4 or FP8 codes, the newest ``residual`` tokens kept in full precision.
+    """K and V stored as codes and scales, dequantized each time attention reads them.
+
+    What the layer keeps, and all that ``nbytes()`` measures:
+
+    - per K and V, one QuantizedTensor (B, H_kv, tokens, D) that grows along the token
+      axis: packed codes, E4M3 block scales (nvfp4), and the tensor scale;
+    - the newest ``residual`` tokens in full precision (KIVI, Hugging Face's QuantizedCache),
+      quantized as they age out of this tail.
 
     Keys arrive already rotated, so what is quantized is exactly what attention reads
-    (quantization after RoPE). New tokens go into the full-precision tail; tokens that
-    fall out of the tail are quantized row by row (a block never spans two tokens), so
-    the stored codes do not depend on how the sequence was chunked. ``update`` returns
-    every held key dequantized, followed by the tail: with ``residual=0`` attention sees
-    quantized keys only, its own included, as a kernel reading the cache would.
+    (quantization after RoPE). Each token's row is quantized on its own (a block never
+    spans two tokens) with the layer's one tensor scale, so with fixed scales the codes
+    do not depend on how the sequence was chunked. ``update`` returns every stored token
+    dequantized, then the tail: with ``residual=0`` attention sees quantized keys only,
+    its own included, as a kernel reading the cache would. Nothing dequantized is kept:
+    every read pays for dequantizing the whole layer again, the price of storing 4.5 bits.
+
+    Tensor scales (vLLM's ``k_scale`` / ``v_scale``): given, they are fixed constants.
+    By default each is calibrated from the layer's first write (the prompt), as NVFP4
+    practice does: amax / FORMAT_MAX[fmt], i.e. amax / (6 x 448) for nvfp4, so the
+    prompt's largest block gets E4M3's largest scale, 448, and other blocks scales in
+    proportion (E4M3 reaches down to 2^-9, about 230,000 times less). Later values larger
+    than the calibrated amax are clipped to it (the block scale, or the E4M3 value, saturates).
     """
 
     def __init__(self, fmt: str = "nvfp4", residual: int = 0, k_scale: float | None = None, v_scale: float | None = None, block: int = 16):
         super().__init__()
-        if fmt not in QUANTIZERS:
-            raise ValueError(f"fmt must be one of {tuple(QUANTIZERS)}, got {fmt!r}")
-        self.fmt, self.block = fmt, block
+        self.fmt = _check_fmt(fmt)
+        self.block = _check_block(block)
         self.residual = require_positive_int("residual", residual, allow_zero=True)
-        # Per-layer tensor scales (vLLM calls them k_scale / v_scale), constant so every write
-        # is quantized the same way. Default 1.0 for nvfp4/fp8 (their block scales or 8 bits
-        # cover activations of order 1 to 1,000); fp4_tensor has nothing else, so by default
-        # it calibrates once, from the first write's largest value.
-        default = None if fmt == "fp4_tensor" else 1.0
-        self.scales = [None if s is None and default is None else torch.tensor(float(default if s is None else s))
-                       for s in (k_scale, v_scale)]
-        self._stored: list[list[QuantizedTensor]] = [[], []]  # chunks of quantized K, V
-        self._tail: list[torch.Tensor | None] = [None, None]  # (B, H, <= residual, D) full precision
-        self._cache: list[torch.Tensor | None] = [None, None]  # dequantized stored part, kept to avoid redoing it
-
-    def _quantize(self, x, which):
-        if self.scales[which] is None:  # calibrate once, from the first block of tokens written
-            self.scales[which] = _tensor_scale(x, None, E2M1_MAX).cpu()
-        kwargs = {"tensor_scale": self.scales[which].to(x.device)}
-        if self.fmt == "nvfp4":
-            kwargs["block"] = self.block
-        return QUANTIZERS[self.fmt](x, **kwargs)
+        for name, given in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if given is not None:
+                _as_scale(given, "cpu", name)  # refuse a bad scale now, not at the first write
+        self.given_scales = (k_scale, v_scale)
+        # All tensors, all replaced rather than written into (so a transaction's snapshot can undo a pass):
+        self._scales: list[torch.Tensor | None] = [None, None]  # fp32 tensor scale of K, V (set by the first write)
+        self._stored: list[QuantizedTensor | None] = [None, None]  # quantized K, V (B, H_kv, quantized_len, D)
+        self._tail: list[torch.Tensor | None] = [None, None]  # full-precision K, V (B, H_kv, <= residual, D)
 
     @property
     def quantized_len(self) -> int:
-        return sum(q.shape[2] for q in self._stored[0])
+        """Tokens held quantized (the rest, at most ``residual``, are in the full-precision tail)."""
+        return 0 if self._stored[0] is None else self._stored[0].shape[2]
 
-    def _full(self, which):
-        parts = [p for p in (self._cache[which], self._tail[which]) if p is not None]
-        return torch.cat(parts, dim=2) if len(parts) > 1 else (parts[0] if parts else None)
+    def _read(self, which: int) -> torch.Tensor | None:
+        """Held K (0) or V (1): the stored tokens dequantized, then the tail (B, H_kv, seq_len, D)."""
+        parts = [] if self._stored[which] is None else [self._stored[which].dequantize()]
+        if self._tail[which] is not None:
+            parts.append(self._tail[which])
+        if not parts:
+            return None
+        return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
 
     @property
     def keys(self):
-        return self._full(0)
+        return self._read(0)
 
     @property
     def values(self):
-        return self._full(1)
+        return self._read(1)
+
+    def _held_like(self) -> torch.Tensor | None:
+        """A tensor with the held (batch, kv_heads, head_dim), dtype and device, for ``_check_kv``."""
+        if self._tail[0] is not None:
+            return self._tail[0]
+        q = self._stored[0]
+        return None if q is None else torch.empty(*q.shape[:2], 0, q.shape[3], dtype=q.dtype, device=q.data.device)
 
     def update(self, k, v):
-        _check_kv(k, v, self._tail[0] if self._tail[0] is not None else self._cache[0])
+        _check_kv(k, v, self._held_like())
+        block = self.block if self.fmt == "nvfp4" else 1
+        for name, x in (("k", k), ("v", v)):
+            _check_input(x, block, packed=self.fmt != "fp8", name=name)
+        # Compute everything for K and V first and store it after, so a failure stores neither.
+        scales = self._scales
+        if scales[0] is None:  # the first write: calibrate, or put the given scales on its device
+            scales = [_tensor_scale(x, given, FORMAT_MAX[self.fmt], name)
+                      for x, given, name in zip((k, v), self.given_scales, ("k_scale", "v_scale"))]
+        stored, tail = list(self._stored), list(self._tail)
         for which, x in enumerate((k, v)):
-            tail = x if self._tail[which] is None else torch.cat([self._tail[which], x], dim=2)
-            spill = tail.shape[2] - self.residual
+            recent = x if tail[which] is None else torch.cat([tail[which], x], dim=2)
+            spill = recent.shape[2] - self.residual
             if spill > 0:  # the oldest tokens leave the tail: quantize them
-                q = self._quantize(tail[:, :, :spill], which)
-                self._stored[which].append(q)
-                deq = q.dequantize()
-                self._cache[which] = deq if self._cache[which] is None else torch.cat([self._cache[which], deq], dim=2)
-                tail = tail[:, :, spill:]
-            self._tail[which] = tail.clone() if tail.shape[2] else None  # clone: do not pin the bigger tensor
+                stored[which] = _append_tokens(stored[which], self._quantize(recent[:, :, :spill], scales[which]))
+                recent = recent[:, :, spill:]
+            tail[which] = recent.clone() if recent.shape[2] else None  # clone: own storage, pins nothing bigger
+        self._scales, self._stored, self._tail = scales, stored, tail
         self.seq_len += k.shape[2]
         return self.keys, self.values
 
-    def nbytes(self):
-        if self.seq_len == 0:
-            return 0
-        total = 2 * TENSOR_SCALE_BYTES  # one fp32 scale for K, one for V
-        total += sum(q.nbytes - q.tensor_scale.nbytes for chunks in self._stored for q in chunks)  # scales counted once
-        total += sum(t.nbytes for t in self._tail if t is not None)
-        return total
+    def _quantize(self, x: torch.Tensor, tensor_scale: torch.Tensor) -> QuantizedTensor:
+        if self.fmt == "nvfp4":
+            return quantize(x, self.block, tensor_scale)
+        return QUANTIZERS[self.fmt](x, tensor_scale)
 
     def reset(self):
-        self._stored, self._tail, self._cache = [[], []], [None, None], [None, None]
+        """Forget every token and the calibrated scales: the layer behaves as a new one."""
+        self._scales, self._stored, self._tail = [None, None], [None, None], [None, None]
         self.seq_len = 0
 
     def crop(self, length):
-        _check_crop(length, self.seq_len)
-        keys, values = self.keys, self.values
-        n_q = self.quantized_len
-        if length < n_q:
-            # Rebuilding from dequantized values re-quantizes exactly (they are on the grid).
+        """Keep the first ``length`` tokens, in new tensors (the held ones are never written into)."""
+        self.check_crop(length)
+        if length == 0:
             self.reset()
-            if length:
-                self._restore(keys[:, :, :length], values[:, :, :length], quantized=length)
             return
-        tail_k, tail_v = self._tail
-        self._tail = [t[:, :, : length - n_q].clone() if t is not None and length > n_q else None for t in (tail_k, tail_v)]
+        n_quantized = self.quantized_len
+        if length <= n_quantized:
+            self._stored = [_first_tokens(q, length) for q in self._stored]
+            self._tail = [None, None]
+        else:
+            self._tail = [t[:, :, : length - n_quantized].clone() for t in self._tail]
         self.seq_len = length
-
-    def _restore(self, k, v, quantized):
-        for which, x in enumerate((k, v)):
-            q = self._quantize(x, which)
-            self._stored[which] = [q]
-            self._cache[which] = q.dequantize()
-        self.seq_len = quantized
 
 
 class QuantizedCache(KVCache):
-    """A cache whose layers store K and V in ``fmt`` ("nvfp4", "fp8" or "fp4_tensor"), newest ``residual`` tokens in full precision."""
+    """A cache whose layers store K and V in ``fmt`` ("nvfp4", "fp8" or "fp4_tensor"), newest ``residual`` tokens in full precision.
+
+    Its memory is :func:`kvlessons.memory.quantized_cache_bytes` (block=16, after appends;
+    a crop can leave less in the tail). ``k_scale`` / ``v_scale`` fix the tensor scales;
+    by default every layer calibrates its own from its first write (see :class:`QuantizedLayer`).
+    """
 
     def __init__(self, fmt: str = "nvfp4", residual: int = 0, k_scale: float | None = None, v_scale: float | None = None, block: int = 16):
         super().__init__()
@@ -379,8 +444,8 @@ from .rope import apply_rope, rope_tables  # noqa: E402
 
 
 def _heads_quantize(x, fmt):
-    # Per-row scales (blocks along head_dim) with a tensor scale of 1, as the cache stores them.
-    return fake_quantize(x, fmt, tensor_scale=1.0)
+    # Blocks along head_dim, tensor scale calibrated from x itself: what a cache stores after writing x.
+    return fake_quantize(x, fmt)
 
 
 @torch.no_grad()

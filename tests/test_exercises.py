@@ -76,6 +76,29 @@ def test_fp4_block_right_answer():
     assert check_fp4_block(scale, codes, packed).correct
 
 
+def test_fp4_block_key_agrees_with_quantize():
+    """The hand-written answer key (scale, 16 codes, 8 bytes) is what kvlessons.fp4.quantize stores for the block."""
+    from kvlessons.fp4 import quantize
+
+    q = quantize(torch.tensor([FP4_BLOCK]), block=16, tensor_scale=1.0)
+    scale, codes, packed = _block_answer()
+    assert q.block_scales.float().item() == scale
+    assert q.codes()[0].tolist() == codes
+    assert q.data[0].tolist() == packed
+
+
+def test_fp4_block_key_does_not_come_from_the_code_under_test(monkeypatch):
+    """The checker's key is written out: with quantize broken, the hand-worked answer is still the one accepted."""
+    import kvlessons.fp4
+
+    def broken(*args, **kwargs):
+        raise AssertionError("the checker must not compute its key with quantize")
+
+    monkeypatch.setattr(kvlessons.fp4, "quantize", broken)
+    codes = [15, 4, 0, 2, 11, 6, 0, 6, 9, 2, 4, 14, 4, 2, 12, 6]
+    assert check_fp4_block(0.5, codes, [79, 32, 107, 96, 41, 228, 36, 108]).correct
+
+
 def _with(codes, i, value):
     out = list(codes)
     out[i] = value

@@ -3,11 +3,12 @@ import math
 import pytest
 import torch
 
-from conftest import HEAD_LAYOUTS, random_ids, small_model
+from conftest import HEAD_LAYOUTS, feed_in_chunks, random_ids, small_model
 from kvlessons.cache import ConcatCache
 from kvlessons.fp4 import (
     E2M1_VALUES,
     QuantizedCache,
+    QuantizedLayer,
     attention_drift,
     code_bits,
     compare_generation,
@@ -15,6 +16,7 @@ from kvlessons.fp4 import (
     dequantize,
     e2m1_value,
     encode_e2m1,
+    fake_quantize,
     outlier_keys,
     pack_nibbles,
     quantize,
@@ -23,27 +25,47 @@ from kvlessons.fp4 import (
     rope_order_error,
     unpack_nibbles,
 )
-from kvlessons.memory import quantized_cache_bytes
+from kvlessons.memory import measured_bytes, quantized_cache_bytes
 from kvlessons.model import attention_inputs
 
 GRID = torch.tensor(E2M1_VALUES, dtype=torch.float64)
 
+# Every positive E4M3 (torch.float8_e4m3fn) value as (value, mantissa bits): exponent bias 7,
+# 3 mantissa bits; exponent 0 is subnormal (m/8 x 2^-6); the all-ones pattern is NaN, so the
+# largest value is 1.75 x 2^8 = 448 and the smallest 2^-9.
+E4M3_POSITIVE = [(m / 8 * 2.0**-6, m) for m in range(1, 8)] + [
+    ((1 + m / 8) * 2.0 ** (e - 7), m) for e in range(1, 16) for m in range(8) if (e, m) != (15, 7)
+]
 
-def brute_force_codes(x: torch.Tensor, q) -> torch.Tensor:
-    """Nearest representable value for each element given its block's stored scale, ties to the even code."""
-    eff = q.effective_scales()  # (..., n_blocks) float64
-    xs = x.to(torch.float64).reshape(*x.shape[:-1], -1, q.block)
-    cand = GRID.view(1, -1) * eff.reshape(-1, 1)  # (n_blocks_total, 8)
-    flat = xs.reshape(-1, q.block)
-    codes = []
-    for row, c in zip(flat, cand):
-        for value in row.tolist():
-            dist = [abs(abs(value) - ci) for ci in c.tolist()]
-            best = min(dist)
-            ties = [i for i, d in enumerate(dist) if d == best]
-            idx = next((i for i in ties if i % 2 == 0), ties[0]) if len(ties) > 1 else ties[0]
-            codes.append(idx | (8 if math.copysign(1.0, value) < 0 else 0))
-    return torch.tensor(codes, dtype=torch.uint8).reshape(x.shape)
+
+def nearest(value: float, candidates) -> int:
+    """Index of the candidate (value, mantissa) nearest to ``value``; a tie goes to the even mantissa."""
+    dist = [abs(value - c) for c, _ in candidates]
+    ties = [i for i, d in enumerate(dist) if d == min(dist)]
+    return next((i for i in ties if candidates[i][1] % 2 == 0), ties[0])
+
+
+def expected_tensor_scale(x: torch.Tensor, given) -> float:
+    """The rule: a given scale as fp32, or amax(x) / (6 x 448) in fp32 (1 for all zeros)."""
+    if given is not None:
+        return float(torch.tensor(given, dtype=torch.float32))
+    amax = torch.tensor(x.abs().max().item(), dtype=torch.float32)
+    return float(amax / (6 * 448)) if amax > 0 else 1.0
+
+
+def expected_block_scale(block_values, tensor_scale: float) -> float:
+    """The rule: amax / 6 / tensor_scale rounded to the nearest positive E4M3 value (so at most 448 and at
+    least 2^-9), ties to the even mantissa; 0 only for a block of zeros."""
+    amax = max(abs(v) for v in block_values)
+    return 0.0 if amax == 0 else E4M3_POSITIVE[nearest(amax / 6 / tensor_scale, E4M3_POSITIVE)][0]
+
+
+def brute_force_codes(block_values, scale: float) -> list[int]:
+    """Nearest of the block's 8 representable magnitudes (E2M1 x scale) for each value, ties to the even code."""
+    magnitudes = [(g * scale, i) for i, g in enumerate(E2M1_VALUES)]  # index parity = mantissa bit
+    if scale == 0:
+        return [0] * len(block_values)
+    return [nearest(abs(v), magnitudes) | (8 if math.copysign(1.0, v) < 0 else 0) for v in block_values]
 
 
 def test_e2m1_values_and_codes():
@@ -89,13 +111,27 @@ def adversarial_inputs():
 
 
 @pytest.mark.parametrize("name, x", list(adversarial_inputs()), ids=[n for n, _ in adversarial_inputs()])
-def test_every_value_is_the_nearest_for_its_block_scale(name, x):
-    """Codes equal a brute-force nearest search over the block's representable values, ties to even."""
-    for tensor_scale in (None, 1.0):
-        q = quantize(x, block=16, tensor_scale=tensor_scale)
-        assert torch.equal(q.codes(), brute_force_codes(x, q)), name
+def test_scales_and_codes_follow_the_rule(name, x):
+    """Tensor scale, block scales and codes all equal what the NVFP4 rule gives, computed here by brute force."""
+    for given in (None, 1.0):
+        q = quantize(x, block=16, tensor_scale=given)
+        tensor_scale = expected_tensor_scale(x, given)
+        assert q.tensor_scale.item() == tensor_scale, name
+        blocks = x.reshape(-1, 16).tolist()
+        scales = [expected_block_scale(b, tensor_scale) for b in blocks]
+        assert q.block_scales.float().flatten().tolist() == scales, name
+        codes = [c for b, s in zip(blocks, scales) for c in brute_force_codes(b, s * tensor_scale)]
+        assert q.codes().flatten().tolist() == codes, name
         assert torch.isfinite(q.dequantize()).all()
-        assert (q.block_scales.float() <= 448).all()
+
+
+def test_a_small_block_keeps_a_nonzero_scale():
+    """A block below E4M3's smallest scale gets that scale (2^-9), not 0: it reads back as values, not zeros."""
+    x = torch.full((1, 16), 0.001)
+    q = quantize(x, tensor_scale=1.0)  # 0.001 / 6 is far below 2^-9
+    assert q.block_scales.float().item() == 2.0**-9
+    assert q.dequantize().tolist() == [[2.0**-10] * 16]  # 0.001 / 2^-9 = 0.512 rounds to E2M1's 0.5
+    assert quantize(torch.zeros(1, 16)).block_scales.float().item() == 0.0  # only zeros get a zero scale
 
 
 def test_halfway_block_dequantizes_to_even_neighbours():
@@ -158,40 +194,165 @@ def test_bad_inputs_raise(call, match):
         call()
 
 
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"block": 0}, r"block must be an integer >= 1"),
+        ({"block": -16}, r"block must be an integer >= 1"),
+        ({"block": 2.5}, r"block must be an integer >= 1"),
+        ({"block": True}, r"block must be an integer >= 1"),
+        ({"fmt": "int3"}, r"fmt must be one of"),
+        ({"fmt": "fp8", "block": 0}, r"block must be an integer >= 1"),
+        ({"k_scale": 0.0}, r"k_scale must be positive and finite"),
+        ({"v_scale": float("nan")}, r"v_scale must be positive and finite"),
+    ],
+)
+def test_quantized_cache_refuses_bad_arguments_when_built(kwargs, match):
+    """Bad block sizes, formats and scales raise ValueError at construction, naming the argument and the rule."""
+    with pytest.raises(ValueError, match=match):
+        QuantizedCache(**kwargs)
+
+
 # --- the quantized cache -------------------------------------------------------------------------
 
 CHUNKINGS = {"whole": [24], "uneven": [7, 1, 12, 4], "decode": [8] + [1] * 16}
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "fp4_tensor"])
-@pytest.mark.parametrize("residual", [0, 5])
+@pytest.mark.parametrize("residual", [0, 5, 30])
 @pytest.mark.parametrize("chunking", sorted(CHUNKINGS))
-def test_quantized_cache_bytes_equal_prediction(fmt, residual, chunking):
-    """nbytes equals memory.quantized_cache_bytes for every format, residual and chunking."""
+@pytest.mark.parametrize("batch", [1, 3])
+def test_quantized_cache_holds_what_the_formula_predicts(fmt, residual, chunking, batch):
+    """The bytes of every tensor the cache keeps (measured) equal memory.quantized_cache_bytes, and nbytes() says so."""
     model = small_model(q_heads=4, kv_heads=2, head_dim=16)
-    ids = random_ids(2, 24)
-    cache, start = QuantizedCache(fmt, residual), 0
-    with torch.inference_mode():
-        for size in CHUNKINGS[chunking]:
-            model(ids[:, start : start + size], cache=cache)
-            start += size
-    assert cache.nbytes() == quantized_cache_bytes(model.shape, 24, 2, fmt, residual, "fp32")
+    cache = QuantizedCache(fmt, residual)
+    feed_in_chunks(model, random_ids(batch, 24), CHUNKINGS[chunking], cache)
+    predicted = quantized_cache_bytes(model.shape, 24, batch, fmt, residual, "fp32")
+    assert measured_bytes(cache) == cache.nbytes() == predicted
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "fp4_tensor"])
+def test_reading_returns_what_the_format_stores(fmt):
+    """Keys and values read back (update's return, keys, values) are the inputs' round trip through the format."""
+    k, v = torch.randn(2, 3, 5, 32), torch.randn(2, 3, 5, 32) * 3
+    layer = QuantizedLayer(fmt)
+    k_all, v_all = layer.update(k, v)
+    # The default scales are calibrated from this first write, as fake_quantize calibrates from its input.
+    assert torch.equal(k_all, fake_quantize(k, fmt)) and torch.equal(v_all, fake_quantize(v, fmt))
+    fixed = QuantizedLayer(fmt, k_scale=0.01, v_scale=0.02)
+    fixed.update(k, v)
+    assert torch.equal(fixed.keys, fake_quantize(k, fmt, tensor_scale=0.01))
+    assert torch.equal(fixed.values, fake_quantize(v, fmt, tensor_scale=0.02))
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
 @pytest.mark.parametrize("layout", sorted(HEAD_LAYOUTS))
 def test_quantized_cache_does_not_depend_on_chunking(fmt, layout):
-    """With residual 0 every key is stored and read quantized: chunked feeding equals one pass."""
+    """With residual 0 and fixed scales each token's codes depend on that token only: chunked feeding equals one pass."""
     model = small_model(*HEAD_LAYOUTS[layout], head_dim=16)
     ids = random_ids(2, 24)
+    scales = {"k_scale": 0.01, "v_scale": 0.01}
     with torch.inference_mode():
-        whole = model(ids, cache=QuantizedCache(fmt))
-        for name, sizes in CHUNKINGS.items():
-            cache, pieces, start = QuantizedCache(fmt), [], 0
-            for size in sizes:
-                pieces.append(model(ids[:, start : start + size], cache=cache))
-                start += size
-            torch.testing.assert_close(torch.cat(pieces, dim=1), whole, atol=1e-5, rtol=1e-5)
+        whole = model(ids, cache=QuantizedCache(fmt, **scales))
+    for sizes in CHUNKINGS.values():
+        pieces = feed_in_chunks(model, ids, sizes, QuantizedCache(fmt, **scales))
+        torch.testing.assert_close(pieces, whole, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_default_scales_keep_small_values(fmt):
+    """Keys of magnitude 0.001 survive the default cache about as well as quantize() alone (no flush to zero)."""
+    k = torch.randn(1, 2, 8, 64) * 0.001
+    layer = QuantizedCache(fmt).layer(0)
+    layer.update(k, k)
+    alone = relative_error(k, fake_quantize(k, fmt))
+    assert alone < 0.12
+    assert relative_error(k, layer.keys) == pytest.approx(alone)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "fp4_tensor"])
+def test_values_beyond_the_calibrated_range_are_clipped(fmt):
+    """After the first write calibrates the scale, a later, larger value reads back as the first write's largest."""
+    k = torch.randn(1, 1, 4, 16)
+    layer = QuantizedLayer(fmt)
+    layer.update(k, k)
+    layer.update(k[:, :, :1] * 4, k[:, :, :1] * 4)
+    amax = k.abs().max().item()
+    assert layer.keys[:, :, -1].abs().max().item() == pytest.approx(amax, rel=1e-6)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "fp4_tensor"])
+@pytest.mark.parametrize("residual", [0, 4])
+def test_reset_cache_behaves_as_a_new_one(fmt, residual):
+    """After reset(), a second text gives bit for bit the logits and stored K/V of a fresh cache (no old calibration)."""
+    model = small_model(head_dim=16)
+    first, second = random_ids(2, 12, seed=1), random_ids(2, 10, seed=2)
+    used, fresh = QuantizedCache(fmt, residual), QuantizedCache(fmt, residual)
+    with torch.inference_mode():
+        model(first, cache=used)
+        used.reset()
+        assert measured_bytes(used) == 0
+        assert torch.equal(model(second, cache=used), model(second, cache=fresh))
+    for a, b in zip(used.layers(), fresh.layers()):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+@pytest.mark.parametrize("residual", [0, 4])
+@pytest.mark.parametrize("bad", ["nan-in-v", "inf-in-k", "nan-in-v-first-write"])
+def test_update_is_all_or_nothing(residual, bad):
+    """A NaN or Inf in K or V is refused before either is stored: keys and values keep one length, no scale is set."""
+    layer = QuantizedLayer("nvfp4", residual=residual)
+    k, v = torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 16)
+    if bad != "nan-in-v-first-write":
+        layer.update(k, v)
+    before = (layer.seq_len, layer.quantized_len, layer.keys, layer.values, measured_bytes(layer))
+    new_k, new_v = torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16)
+    if bad == "inf-in-k":
+        new_k[0, 1, 2, 5] = float("inf")
+    else:
+        new_v[0, 0, 1, 3] = float("nan")
+    with pytest.raises(ValueError, match="k must be finite" if bad == "inf-in-k" else "v must be finite"):
+        layer.update(new_k, new_v)
+    after = (layer.seq_len, layer.quantized_len, layer.keys, layer.values, measured_bytes(layer))
+    assert after[:2] == before[:2] and after[4] == before[4]
+    for a, b in zip(after[2:4], before[2:4]):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_head_dim_that_blocks_cannot_split_is_refused_at_once():
+    """A head_dim not divisible by block is refused at the first write, even when the tail would hold it for now."""
+    layer = QuantizedLayer("nvfp4", residual=100)
+    with pytest.raises(ValueError, match=r"divisible by block \(16\)"):
+        layer.update(torch.randn(1, 1, 2, 24), torch.randn(1, 1, 2, 24))
+    assert layer.seq_len == 0 and measured_bytes(layer) == 0
+
+
+def test_failed_pass_with_a_short_tail_leaves_the_cache_as_it_was():
+    """An exception in a middle layer, after that pass quantized tokens out of a short tail, changes nothing."""
+    model = small_model(layers=4, head_dim=16)
+    ids = random_ids(2, 16)
+    cache, clean = QuantizedCache("nvfp4", residual=2), QuantizedCache("nvfp4", residual=2)
+    with torch.inference_mode():
+        model(ids[:, :9], cache=cache)
+        model(ids[:, :9], cache=clean)
+        assert [layer.quantized_len for layer in cache.layers()] == [7] * 4  # the next pass must quantize 3 more
+        before = [(layer.seq_len, layer.quantized_len, layer.keys, layer.values) for layer in cache.layers()]
+        held = measured_bytes(cache)
+
+        def fail(*_):
+            raise KeyboardInterrupt
+
+        handle = model.blocks[2].register_forward_hook(fail)  # layers 0-2 have already written
+        with pytest.raises(KeyboardInterrupt):
+            model(ids[:, 9:12], cache=cache)
+        handle.remove()
+        assert cache.seq_len == 9 and measured_bytes(cache) == held
+        for layer, (n, n_quantized, k, v) in zip(cache.layers(), before):
+            assert (layer.seq_len, layer.quantized_len) == (n, n_quantized)
+            assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+        for size in (3, 1, 3):  # then the cache goes on exactly as one that never failed
+            chunk = ids[:, cache.seq_len : cache.seq_len + size]
+            assert torch.equal(model(chunk, cache=cache), model(chunk, cache=clean))
 
 
 # Stated tolerance for the default tiny model: largest logit change against full precision
@@ -236,16 +397,25 @@ def test_residual_keeps_recent_tokens_exact():
     assert layer.quantized_len == 7
 
 
-def test_quantized_cache_crop_and_reset():
+@pytest.mark.parametrize("length", [18, 10, 0])  # inside the tail, inside the quantized part, everything
+def test_quantized_cache_crop_keeps_the_prefix(length):
+    """crop keeps exactly the first tokens, in tensors of their own; crop(0) leaves a cache as new."""
     model = small_model(head_dim=16)
     ids = random_ids(1, 20)
     with torch.inference_mode():
-        cache = QuantizedCache("nvfp4", residual=4)
+        cache = QuantizedCache("nvfp4", residual=4)  # 16 tokens quantized, 4 in the tail
         model(ids, cache=cache)
-        cache.crop(10)
-        assert cache.seq_len == 10 and cache.layer(0).keys.shape[2] == 10
-        cache.reset()
-        assert cache.nbytes() == 0 and cache.seq_len == 0
+        before = [(layer.keys, layer.values) for layer in cache.layers()]
+        cache.crop(length)
+    assert cache.seq_len == length
+    for layer, (k, v) in zip(cache.layers(), before):
+        if length:
+            assert torch.equal(layer.keys, k[:, :, :length]) and torch.equal(layer.values, v[:, :, :length])
+        else:
+            assert layer.keys is None and layer.values is None
+    if length <= 16:  # all quantized: nothing left pins the cropped tokens
+        expected = quantized_cache_bytes(model.shape, length, 1, "nvfp4", 0) if length else 0
+        assert measured_bytes(cache) == expected
     with pytest.raises(ValueError, match="window"):
         QuantizedCache().layer(0, window=4)
 
