@@ -484,6 +484,8 @@ class BlockTables:
                 assert list(key.ids[: len(written)]) == written, f"sequence {sid}: block {b} is cached with other ids"
                 parent = ROOT_HASH if i == 0 else getattr(self._block_key.get(seq.table[i - 1]), "hash", None)
                 assert key.parent == parent, f"sequence {sid}: block {b} is cached under another parent block"
+
+
 # ---------------------------------------------------------------------------------------------
 # Attention through a block table
 # ---------------------------------------------------------------------------------------------
