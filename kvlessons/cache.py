@@ -429,7 +429,7 @@ class KVCache:
         """
         self._check_usable()
         self.check_room(ids.shape[-1])
-        with self._atomic():
+        with self.atomic():
             self._prepare(ids)
             yield self
 
@@ -444,8 +444,15 @@ class KVCache:
             )
 
     @contextmanager
-    def _atomic(self):
-        """Snapshot every layer; if the body raises, restore them all and ``seq_len``, then re-raise."""
+    def atomic(self):
+        """Make everything in the ``with`` body one all-or-nothing change of this cache.
+
+        Snapshots every layer; if the body raises (Ctrl-C included), restores them all and
+        ``seq_len``, then re-raises. ``transaction`` uses it for one forward pass;
+        ``generate`` wraps a whole generation in it, so an interrupted generation leaves
+        the cache as it was before the call, not holding the steps that had finished.
+        Inside an open ``atomic`` block, a nested one adds nothing: the outer snapshot covers it.
+        """
         if self._open:  # inside an outer transaction: its snapshot already covers this change
             yield
             return
@@ -484,7 +491,7 @@ class KVCache:
     def reset(self) -> None:
         """Empty every layer and restart positions at 0: afterwards the cache behaves as a new one."""
         self._interrupted = None  # the one way back from an interrupted restore
-        with self._atomic():
+        with self.atomic():
             for layer in self.layers():
                 layer.reset()
             self.seq_len = 0
@@ -499,7 +506,7 @@ class KVCache:
         _check_crop(length, self.seq_len)
         for layer in self.layers():
             layer.check_crop(length)
-        with self._atomic():
+        with self.atomic():
             for layer in self.layers():
                 layer.crop(length)
             self.seq_len = length

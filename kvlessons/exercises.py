@@ -8,6 +8,7 @@ answers by computing them too: forgetting K and V, ignoring GQA, GB for GiB, and
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 
 from .memory import SEED_EXAMPLE as SEED_MODEL
@@ -201,8 +202,10 @@ def check_fp4_block(scale, codes, packed) -> Feedback:
 
     right_scale, right_codes, right_packed = _block_answer()
     amax = max(abs(v) for v in FP4_BLOCK)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        return Feedback(False, f"scale: expected a number, got {scale!r}.")
+    scale = _as_number(scale)
+    if scale is None:
+        return Feedback(False, "Step 1, the scale: expected a number (a float such as 0.25), "
+                               "not yet given. Start with the block's largest magnitude.")
     if abs(scale - right_scale) > 1e-9:
         if abs(scale - amax) < 1e-9:
             why = "that is the block's absolute maximum; the scale maps it to E2M1's largest value, 6, so divide by 6."
@@ -211,34 +214,65 @@ def check_fp4_block(scale, codes, packed) -> Feedback:
         else:
             why = f"the scale is max|x| / 6 = {amax} / 6, rounded to E4M3 (exact here)."
         return Feedback(False, f"Step 1, the scale, is off ({scale}): {why}")
-    codes = list(codes) if not isinstance(codes, list) else codes
+    codes = _as_ints(codes)
+    if codes is None:
+        return Feedback(False, "Step 1 is right. Step 2: give the codes as a list of 16 integers 0..15, one per value "
+                               "(x / scale, rounded to the nearest E2M1 value, plus 8 if negative).")
     if len(codes) != 16:
         return Feedback(False, f"Step 2: expected 16 codes, one per value, got {len(codes)}.")
     for i, (got, want) in enumerate(zip(codes, right_codes)):
         if got == want:
             continue
         x = FP4_BLOCK[i] / right_scale
-        if not isinstance(got, int) or not 0 <= got < 16:
-            return Feedback(False, f"Step 2, code {i}: a code is an integer 0..15, got {got!r}.")
+        if not 0 <= got < 16:
+            return Feedback(False, f"Step 2, code {i}: a code is an integer 0..15, got {got}.")
         if (got & 7) == (want & 7):
             return Feedback(False, f"Step 2, code {i} (x/scale = {x:g}): the magnitude is right but the sign bit is wrong; negative values set bit 3 (add 8).")
         got_mag, want_mag = E2M1_VALUES[got & 7], E2M1_VALUES[want & 7]
         if abs(x) == (got_mag + want_mag) / 2:
-            return Feedback(False, f"Step 2, code {i}: {abs(x):g} is exactly halfway between {got_mag:g} and {want_mag:g}; "
-                            f"ties go to the even code (mantissa bit 0), here {want & 7}, not away from zero.")
+            direction = "up, away from zero" if got_mag > want_mag else "down, toward zero"
+            return Feedback(False, f"Step 2, code {i}: {abs(x):g} is exactly halfway between {got_mag:g} and {want_mag:g}, "
+                                   f"and you rounded {direction}. Ties go to the even code (mantissa bit 0): "
+                                   f"code {want & 7}, the value {want_mag:g}.")
         if got_mag == round(abs(x)):
             return Feedback(False, f"Step 2, code {i}: {abs(x):g} rounded to the nearest integer is not the nearest E2M1 value; "
                             f"the grid is 0, 0.5, 1, 1.5, 2, 3, 4, 6, so the nearest is {want_mag:g}.")
-        return Feedback(False, f"Step 2, code {i}: x/scale = {x:g} rounds to {E2M1_VALUES[want & 7]:g}, which is code {want}, not {got}.")
-    packed = list(packed)
+        return Feedback(False, f"Step 2, code {i}: x/scale = {x:g} rounds to {want_mag:g}, which is code {want}, not {got}.")
+    packed = _as_ints(packed)
+    if packed is None:
+        return Feedback(False, "Steps 1 and 2 are right. Step 3: give the packed bytes as a list of 8 integers, "
+                               "byte i = code[2i] | code[2i+1] << 4.")
     if packed == right_packed:
         return Feedback(True, f"Correct: scale {right_scale}, codes {right_codes}, packed bytes {right_packed}: 16 values in 8 + 1 bytes.")
-    swapped = [((b & 0x0F) << 4) | (b >> 4) for b in right_packed if isinstance(b, int)]
+    swapped = [((b & 0x0F) << 4) | (b >> 4) for b in right_packed]
     if packed == swapped:
         return Feedback(False, "Step 3, packing: the nibbles are swapped. Element 0 goes in the low 4 bits: byte = code[2i] | code[2i+1] << 4.")
     if len(packed) != 8:
         return Feedback(False, f"Step 3, packing: 16 codes of 4 bits make 8 bytes, got {len(packed)}.")
     return Feedback(False, f"Step 3, packing: byte i is code[2i] + 16 x code[2i+1]; expected {right_packed}.")
+
+
+def _as_number(value) -> float | None:
+    """``value`` as a float if it is one number (int, float, NumPy scalar, one-element tensor), else None."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _as_ints(values) -> list[int] | None:
+    """``values`` (a list, tuple, NumPy array or tensor of integers) as a list of ints, else None."""
+    if values is None or isinstance(values, (str, bytes)):
+        return None
+    try:
+        items = _as_list(values)
+        if any(isinstance(v, bool) for v in items):  # True is no code
+            return None
+        return [operator.index(v) for v in items]  # ints and NumPy ints; not floats
+    except TypeError:
+        return None
 
 
 # ---------------------------------------------------------------------------------------------

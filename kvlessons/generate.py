@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -53,28 +53,31 @@ def generate(model, prompt_ids: torch.Tensor, max_new_tokens: int, cache: KVCach
     """
     _check_prompt(prompt_ids)
     require_positive_int("max_new_tokens", max_new_tokens, allow_zero=True)
+    if pad_mask is not None and cache is not None and cache.seq_len:
+        raise ValueError("a padded prompt must start from an empty cache")
     dev = prompt_ids.device
     tokens = prompt_ids
     fed = prompt_ids
     new, logits, times, lengths = [], [], [], []
-    if pad_mask is not None and cache is not None and cache.seq_len:
-        raise ValueError("a padded prompt must start from an empty cache")
-    for _ in range(max_new_tokens):
-        inputs = tokens if cache is None else fed
-        extra = {} if pad_mask is None else {"pad_mask": pad_mask}
-        synchronize(dev)
-        t0 = time.perf_counter()
-        out = model(inputs, cache=cache, last_only=True, **extra)[:, -1]  # (B, vocab): only the last position predicts
-        nxt = out.argmax(dim=-1, keepdim=True)  # (B, 1)
-        synchronize(dev)
-        times.append(time.perf_counter() - t0)
-        lengths.append(inputs.shape[1])
-        logits.append(out)
-        new.append(nxt)
-        tokens = torch.cat([tokens, nxt], dim=1)
-        fed = nxt
-        if pad_mask is not None:
-            pad_mask = torch.cat([pad_mask, pad_mask.new_ones(pad_mask.shape[0], 1)], dim=1)
+    # All or nothing, like each pass: interrupted, the cache is as it was before the call,
+    # not holding the steps that had finished (whose tokens the caller never received).
+    with nullcontext() if cache is None else cache.atomic():
+        for _ in range(max_new_tokens):
+            inputs = tokens if cache is None else fed
+            extra = {} if pad_mask is None else {"pad_mask": pad_mask}
+            synchronize(dev)
+            t0 = time.perf_counter()
+            out = model(inputs, cache=cache, last_only=True, **extra)[:, -1]  # (B, vocab): only the last position predicts
+            nxt = out.argmax(dim=-1, keepdim=True)  # (B, 1)
+            synchronize(dev)
+            times.append(time.perf_counter() - t0)
+            lengths.append(inputs.shape[1])
+            logits.append(out)
+            new.append(nxt)
+            tokens = torch.cat([tokens, nxt], dim=1)
+            fed = nxt
+            if pad_mask is not None:
+                pad_mask = torch.cat([pad_mask, pad_mask.new_ones(pad_mask.shape[0], 1)], dim=1)
     b = prompt_ids.shape[0]
     new_tokens = torch.cat(new, dim=1) if new else prompt_ids.new_empty(b, 0)
     all_logits = torch.stack(logits, dim=1) if logits else torch.empty(b, 0, 0, device=dev)

@@ -119,7 +119,8 @@ def _token_ids(name: str, ids) -> list[int]:
         except TypeError:
             token = None
         if token is None or not 0 <= token < 2**64:
-            raise ValueError(f"{name}[{j}] must be a token id (an integer, 0 <= id < 2**64), got {t!r}")
+            raise ValueError(f"{name}[{j}] must be a token id (an integer, 0 <= id < 2**64), got {t!r}; "
+                             f"{name} is a 1-D sequence of ids, e.g. ids[0].tolist() for ids of shape (1, T)")
         out.append(token)
     return out
 
@@ -221,7 +222,12 @@ class BlockTables:
         parent = self._seq(seq_id)
         table = parent.table[: math.ceil(parent.length / self.block_size)]
         copy_last = parent.length % self.block_size and parent.reserved
-        if copy_last:  # (raises PoolExhaustedError before anything changed if no block is free)
+        if copy_last:
+            if not self.allocator.num_free:
+                raise PoolExhaustedError(
+                    f"fork of sequence {seq_id} needs 1 free block, the pool has none: the parent has room reserved "
+                    f"in its partly filled last block, so the fork must get its own copy of that block"
+                )
             table[-1] = self._copy_block(table[-1])  # taken with reference count 1: the fork's own
         for b in table[:-1] if copy_last else table:
             self.allocator.incref(b)
@@ -356,7 +362,8 @@ class BlockTables:
             if expected is not None and given != expected:
                 raise ValueError(
                     f"tokens must match the prompt declared in add_sequence: position {seq.length + j} "
-                    f"was declared as id {expected}, got {given}"
+                    f"was declared as id {expected}, got {given}. If the first positions were reused from the "
+                    f"prefix cache (add_sequence returned how many), feed only the ids after them"
                 )
         return tokens
 
@@ -763,13 +770,13 @@ class PagedSequenceView(KVCache):
     def reset(self):
         """Release the sequence's blocks: it stays alive and empty, without a declared prompt."""
         self._interrupted = None
-        with self._atomic():
+        with self.atomic():
             self.paged.clear(self.seq_id)
 
     def crop(self, length):
         """Keep the first ``length`` positions (see :meth:`BlockTables.crop`)."""
         self._check_usable()
-        with self._atomic():
+        with self.atomic():
             self.paged.crop(self.seq_id, length)
 
 

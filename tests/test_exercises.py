@@ -112,8 +112,14 @@ def _with(codes, i, value):
         (lambda s, c, p: (max(FP4_BLOCK) / 6, c, p), "largest magnitude"),
         (lambda s, c, p: (0.3, c, p), "max|x| / 6"),
         (lambda s, c, p: (s, _with(c, 0, c[0] & 7), p), "sign bit"),
-        (lambda s, c, p: (s, _with(c, 2, 1), p), "ties go to the even"),  # 0.25 -> 0.5 instead of 0
-        (lambda s, c, p: (s, _with(c, 5, 7), p), "ties go to the even"),  # 5.0 -> 6 instead of 4
+        (lambda s, c, p: (s, _with(c, 2, 1), p), "rounded up, away from zero"),  # tie 0.25 -> 0.5 instead of 0
+        (lambda s, c, p: (s, _with(c, 5, 7), p), "rounded up, away from zero"),  # tie 5.0 -> 6 instead of 4
+        (lambda s, c, p: (s, _with(c, 7, 5), p), "rounded down, toward zero"),  # tie 3.5 -> 3 instead of 4
+        (lambda s, c, p: (None, None, None), "Step 1, the scale: expected a number"),
+        (lambda s, c, p: (s, None, None), "Step 2: give the codes as a list of 16 integers"),
+        (lambda s, c, p: (s, [float(x) for x in c], p), "Step 2: give the codes as a list of 16 integers"),
+        (lambda s, c, p: (s, c, None), "Step 3: give the packed bytes"),
+        (lambda s, c, p: (s, c, 79), "Step 3: give the packed bytes"),
         (lambda s, c, p: (s, c[:15], p), "16 codes"),
         (lambda s, c, p: (s, c, [((b & 15) << 4) | (b >> 4) for b in p]), "swapped"),
         (lambda s, c, p: (s, c, p[:7]), "8 bytes"),
@@ -123,6 +129,17 @@ def test_fp4_block_diagnoses_the_wrong_step(mutate, words):
     """Each mistake is named at the step where it happens."""
     fb = check_fp4_block(*mutate(*_block_answer()))
     assert not fb.correct and words in fb.message, fb.message
+
+
+def test_fp4_block_takes_numpy_and_torch_answers():
+    """Codes from NumPy or torch are judged by value: right is right, and a wrong code is diagnosed, not its type."""
+    import numpy as np
+
+    scale, codes, packed = _block_answer()
+    assert check_fp4_block(np.float64(scale), np.array(codes), np.array(packed)).correct
+    assert check_fp4_block(torch.tensor(scale), torch.tensor(codes), torch.tensor(packed)).correct
+    fb = check_fp4_block(scale, np.array(_with(codes, 2, 1)), packed)
+    assert not fb.correct and "halfway" in fb.message, fb.message
 
 
 def test_fp4_block_integer_rounding_is_diagnosed():

@@ -105,3 +105,29 @@ def test_trace_follows_the_cache():
         assert s.top_probs == sorted(s.top_probs, reverse=True)
         assert s.top_tokens[0] == s.next_token  # greedy picks the most likely token
     assert trace[-1].tokens == prompt[0].tolist() + [s.next_token for s in trace[:-1]]
+
+
+def test_interrupted_generation_leaves_the_cache_as_before(variant, dev):
+    """Ctrl-C during the 5th step of generate(): the steps that finished are undone too, so re-running gives the same tokens."""
+    from test_cache import assert_same_state, cache_state
+
+    model = variant.model(dev=dev)
+    prompt = random_ids(1, 6, dev=dev)
+    cache = variant.make_cache(model, 40)
+    generate(model, prompt[:, :3], 2, cache=cache)  # the cache already holds something
+    before = cache_state(cache)
+    calls = []
+
+    def ctrl_c_on_fifth_step(*_):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+
+    handle = model.norm.register_forward_hook(ctrl_c_on_fifth_step)
+    with pytest.raises(KeyboardInterrupt):
+        generate(model, prompt, 10, cache=cache)
+    handle.remove()
+    assert_same_state(before, cache_state(cache))
+    reference = variant.make_cache(model, 40)
+    generate(model, prompt[:, :3], 2, cache=reference)
+    assert torch.equal(generate(model, prompt, 10, cache=cache).tokens, generate(model, prompt, 10, cache=reference).tokens)
