@@ -362,9 +362,14 @@ class KVCache:
 
     def __init__(self):
         self._layers: dict[int, LayerCache] = {}
-        self.seq_len = 0  # positions processed; the next token's position
+        self._seq_len = 0  # positions processed: the one position counter (see seq_len)
         self._interrupted: str | None = None  # why a restore could not finish, until reset()
         self._open = False  # a transaction is running
+
+    @property
+    def seq_len(self) -> int:
+        """Positions processed so far: the next token's position. Changed only by advance, crop and reset."""
+        return self._seq_len
 
     def new_layer(self, window: int | None = None) -> LayerCache:
         """Return a fresh, empty layer object of this cache's kind (sliding if ``window`` is set)."""
@@ -403,7 +408,7 @@ class KVCache:
     def advance(self, new_tokens: int) -> None:
         """Move the position counter past a forward pass of ``new_tokens`` tokens."""
         require_positive_int("new_tokens", new_tokens)
-        self.seq_len += new_tokens
+        self._seq_len += new_tokens
 
     def nbytes(self) -> int:
         """Bytes of memory held for K and V, summed over layers (each layer measures its tensors)."""
@@ -473,14 +478,14 @@ class KVCache:
 
     def _snapshot(self):
         """The counter, the layer objects, and each layer's own snapshot."""
-        return self.seq_len, dict(self._layers), [(layer, layer.snapshot()) for layer in self.layers()]
+        return self._seq_len, dict(self._layers), [(layer, layer.snapshot()) for layer in self.layers()]
 
     def _restore(self, state) -> None:
         seq_len, layers, layer_states = state
         for layer, layer_state in layer_states:
             layer.restore(layer_state)
         self._layers = dict(layers)  # layers first created by the failed pass are dropped
-        self.seq_len = seq_len
+        self._seq_len = seq_len
 
     def _commit(self) -> None:
         for layer in self.layers():
@@ -494,7 +499,7 @@ class KVCache:
         with self.atomic():
             for layer in self.layers():
                 layer.reset()
-            self.seq_len = 0
+            self._seq_len = 0
 
     def crop(self, length: int) -> None:
         """Keep only the first ``length`` positions, e.g. before re-running an edited suffix.
@@ -509,7 +514,7 @@ class KVCache:
         with self.atomic():
             for layer in self.layers():
                 layer.crop(length)
-            self.seq_len = length
+            self._seq_len = length
 
     def __repr__(self):
         return f"{type(self).__name__}(seq_len={self.seq_len}, layers={len(self._layers)}, nbytes={self.nbytes()})"

@@ -475,11 +475,11 @@ def attention_drift(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: str 
 
 def _teacher_forced(model, prefix: torch.Tensor, continuation: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """Next-token logits (B, 1 + N, vocab) reading ``prefix`` in one pass, then ``continuation`` one token per step."""
+    from .generate import feed_in_chunks
+
     cache.reset()
-    steps = [model(prefix, cache=cache, last_only=True)[:, -1]]
-    for i in range(continuation.shape[1]):
-        steps.append(model(continuation[:, i : i + 1], cache=cache)[:, -1])
-    return torch.stack(steps, dim=1)
+    ids = torch.cat([prefix, continuation], dim=1)
+    return feed_in_chunks(model, ids, [prefix.shape[1]] + [1] * continuation.shape[1], cache, last_only=True)
 
 
 @torch.no_grad()

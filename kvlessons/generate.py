@@ -84,6 +84,27 @@ def generate(model, prompt_ids: torch.Tensor, max_new_tokens: int, cache: KVCach
     return Generation(tokens, new_tokens, all_logits, times, lengths)
 
 
+@torch.inference_mode()
+def feed_in_chunks(model, ids: torch.Tensor, chunks, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+    """Feed ``ids`` (B, T) through ``cache`` in pieces of ``chunks`` tokens; return the logits.
+
+    The one chunked loop of the course: the detector of lesson 07 compares its result
+    with one uncached pass, the quantized-cache measures read a passage through it, and
+    the tests run every cache variant through it. Returns (B, T, vocab), or with
+    ``last_only`` the logits of each chunk's last position, (B, len(chunks), vocab).
+    The tokens are appended after what ``cache`` already holds.
+    """
+    chunks = list(chunks)
+    if any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in chunks) or sum(chunks) != ids.shape[1]:
+        raise ValueError(f"chunks must be positive integers adding up to the {ids.shape[1]} tokens, got {chunks}")
+    pieces, start = [], 0
+    for size in chunks:
+        logits = model(ids[:, start : start + size], cache=cache, last_only=last_only)
+        pieces.append(logits)
+        start += size
+    return torch.cat(pieces, dim=1)
+
+
 @dataclass
 class KVWork:
     """Token-positions whose keys and values were computed, per forward pass (one layer's view).

@@ -18,7 +18,7 @@ from torch import nn
 from .attention import attend, padded_causal_mask, positions_from_padding
 from .cache import ConcatCache, KVCache, LayerCache
 from .rope import apply_rope, rope_tables
-from .shape import ModelShape, require_positive_int
+from .shape import ModelShape, require_even, require_positive_int
 
 
 @dataclass(frozen=True)
@@ -37,13 +37,24 @@ class TinyConfig:
     seed: int = 2
     windows: tuple[int | None, ...] = ()  # per-layer sliding window (None: full attention)
     kv_owners: tuple[int, ...] = ()  # per-layer owner of the cache it reads (cross-layer sharing)
+    # YOCO's cross-decoder starts at this layer: it projects one global K/V from the residual
+    # stream (with a norm of its own) that it and every later layer read; with last_only, only
+    # the last position runs through these layers. None: an ordinary decoder.
+    global_kv_layer: int | None = None
 
     def __post_init__(self):
-        self.shape  # validates layers, heads and head_dim with ModelShape's rules
+        shape = self.shape  # validates layers, heads, head_dim, windows and owners with ModelShape's rules
         require_positive_int("vocab_size", self.vocab_size)
         require_positive_int("mlp_hidden", self.mlp_hidden)
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        require_even("head_dim", self.head_dim, "for rotary embeddings")
+        g = self.global_kv_layer
+        if g is not None:
+            require_positive_int("global_kv_layer", g, allow_zero=True)
+            if g >= self.layers or any(shape.owner(i) != g or shape.window(i) is not None for i in range(g, self.layers)):
+                raise ValueError(
+                    f"global_kv_layer must be a layer index whose full-attention cache every later layer reads "
+                    f"(kv_owners[i] == {g} and windows[i] is None for i >= {g}), got {g} for {shape}"
+                )
 
     @property
     def shape(self) -> ModelShape:
@@ -93,23 +104,36 @@ class Attention(nn.Module):
         self.projects_kv = projects_kv
         self.o_proj = nn.Linear(c.q_heads * c.head_dim, c.hidden_size, bias=False)
 
-    def project(self, x, cos, sin):
-        """Rotated queries (B, H_q, T, D) and, for an owning layer, rotated keys and values (B, H_kv, T, D)."""
+    def queries(self, x, cos, sin):
+        """Rotated queries (B, H_q, T, D)."""
         b, t, _ = x.shape
-        q = apply_rope(self.q_proj(x).view(b, t, self.q_heads, self.head_dim).transpose(1, 2), cos, sin)
-        if not self.projects_kv:
-            return q, None, None
+        return apply_rope(self.q_proj(x).view(b, t, self.q_heads, self.head_dim).transpose(1, 2), cos, sin)
+
+    def keys_values(self, x, cos, sin):
+        """Rotated keys and values (B, H_kv, T, D): rotate before caching, so the cache holds rotated keys."""
+        b, t, _ = x.shape
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        return q, apply_rope(k, cos, sin), v  # rotate before caching: the cache holds rotated keys
+        return apply_rope(k, cos, sin), v
+
+    def project(self, x, cos, sin):
+        """Rotated queries and, for an owning layer, rotated keys and values (None otherwise)."""
+        q = self.queries(x, cos, sin)
+        return (q, *self.keys_values(x, cos, sin)) if self.projects_kv else (q, None, None)
 
     attend_fn = staticmethod(attend)  # the one attention call (lesson 07 swaps in broken ones)
 
-    def forward(self, x, cos, sin, layer_cache: LayerCache | None = None, kv=None, mask=None):
-        """Return (output (B, T, hidden), (k_all, v_all)); ``kv`` is the owner's K/V for a sharing layer."""
+    def forward(self, x, cos, sin, layer_cache: LayerCache | None = None, kv=None, mask=None, kv_input=None):
+        """Return (output (B, T, hidden), (k_all, v_all)).
+
+        ``kv`` is the owner's K/V for a layer that reads another layer's cache. ``kv_input``
+        (x, cos, sin) is what K and V are projected from when that differs from the
+        queries' input (YOCO's global K/V: every position, from a norm of its own).
+        """
         b, t, _ = x.shape
-        q, k, v = self.project(x, cos, sin)
+        q = self.queries(x, cos, sin)
         if kv is None:
+            k, v = self.keys_values(*(kv_input or (x, cos, sin)))
             kv = layer_cache.update(k, v)  # (B, H_kv, S, D), S = cached + T
         if mask is not None and mask.shape[-1] > kv[0].shape[2]:
             mask = mask[..., -kv[0].shape[2]:]  # a sliding-window layer returns only the newest keys
@@ -131,16 +155,31 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: TinyConfig, window: int | None = None, projects_kv: bool = True):
+    """Pre-norm attention and SwiGLU MLP, each added to the residual stream.
+
+    ``global_kv``: this block is YOCO's first cross-decoder layer. Its K/V (the global
+    K/V every later layer reads) are projected from its input through a norm of their
+    own, for every position; with ``last_only`` only the last position goes on through
+    its queries, MLP and the later blocks.
+    """
+
+    def __init__(self, config: TinyConfig, window: int | None = None, projects_kv: bool = True, global_kv: bool = False):
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.kv_norm = RMSNorm(config.hidden_size, config.norm_eps) if global_kv else None
         self.attn = Attention(config, window, projects_kv)
         self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, layer_cache=None, kv=None, mask=None):
-        """Return (new x, the K/V this layer attended over)."""
-        h, kv = self.attn(self.attn_norm(x), cos, sin, layer_cache, kv, mask)
+    def forward(self, x, cos, sin, layer_cache=None, kv=None, mask=None, last_only=False):
+        """Return (new x, the K/V this layer attended over); with ``last_only``, x keeps its last position only."""
+        kv_input = None
+        if self.kv_norm is not None and kv is None:
+            kv_input = (self.kv_norm(x), cos, sin)  # every position: all of them join the global cache
+        if last_only:  # nothing after this layer keeps a cache of its own: only the last query matters
+            x, cos, sin = x[:, -1:], cos[..., -1:, :], sin[..., -1:, :]
+            mask = None if mask is None else mask[..., -1:, :]
+        h, kv = self.attn(self.attn_norm(x), cos, sin, layer_cache, kv, mask, kv_input)
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), kv
 
@@ -161,7 +200,8 @@ class TinyDecoder(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         shape = config.shape
         self.blocks = nn.ModuleList(
-            Block(config, shape.window(i), projects_kv=shape.owner(i) == i) for i in range(config.layers)
+            Block(config, shape.window(i), projects_kv=shape.owner(i) == i, global_kv=i == config.global_kv_layer)
+            for i in range(config.layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -198,7 +238,7 @@ class TinyDecoder(nn.Module):
         """
         cache, cos, sin, x, mask = self.begin(ids, cache, pad_mask)
         with cache.transaction(ids):  # all or nothing: if anything below raises, the cache is as it was
-            x = self.run_blocks(range(len(self.blocks)), x, cos, sin, cache, mask=mask)
+            x = self.run_blocks(range(len(self.blocks)), x, cos, sin, cache, mask=mask, last_only=last_only)
             logits = self.head(x[:, -1:] if last_only else x)
             cache.advance(ids.shape[1])  # once per forward pass, never once per layer
         return logits
@@ -235,15 +275,24 @@ class TinyDecoder(nn.Module):
         dtype = self.embed.weight.dtype
         return cache, cos.to(dtype), sin.to(dtype), self.embed(ids), mask
 
-    def run_blocks(self, indices, x, cos, sin, cache: KVCache, shared: dict | None = None, mask=None):
-        """Run the blocks at ``indices``; a layer that shares a cache reuses its owner's K/V of this pass."""
-        shared = {} if shared is None else shared  # owner index -> (k_all, v_all) of this pass
+    def run_blocks(self, indices, x, cos, sin, cache: KVCache, mask=None, last_only: bool = False):
+        """Run the blocks at ``indices``; a layer that shares a cache reuses its owner's K/V of this pass.
+
+        With ``last_only``, from the model's ``global_kv_layer`` on (YOCO's cross-decoder)
+        only the last position is carried: those layers keep no cache that would need the rest.
+        """
+        shared = {}  # owner index -> (k_all, v_all) of this pass
         for i in indices:
             block, owner = self.blocks[i], self.shape.owner(i)
+            narrow = last_only and i == self.config.global_kv_layer
             if owner in shared:  # the owner already wrote this pass's K/V: read it, store nothing
-                x, _ = block(x, cos, sin, kv=shared[owner], mask=mask)
+                x, _ = block(x, cos, sin, kv=shared[owner], mask=mask, last_only=narrow)
             else:
-                x, shared[i] = block(x, cos, sin, layer_cache=cache.layer(i, window=block.attn.window), mask=mask)
+                layer_cache = cache.layer(i, window=block.attn.window)
+                x, shared[i] = block(x, cos, sin, layer_cache=layer_cache, mask=mask, last_only=narrow)
+            if narrow:
+                cos, sin = cos[..., -1:, :], sin[..., -1:, :]
+                mask = None if mask is None else mask[..., -1:, :]
         return x
 
     def head(self, x: torch.Tensor) -> torch.Tensor:

@@ -671,16 +671,13 @@ class _PagedLayer(LayerCache):
     """One layer of a paged sequence: its slice of every block in the sequence's table."""
 
     def __init__(self, paged: PagedKVCache, seq_id: int, layer: int):
-        super().__init__()
+        # Not LayerCache.__init__: this layer keeps no counter of its own (see seq_len).
         self.paged, self.seq_id, self.layer_index = paged, seq_id, layer
+        self.bytes_written = 0
 
     @property
     def seq_len(self):  # the table is the truth; no second counter to keep in step
         return self.paged._seq(self.seq_id).length
-
-    @seq_len.setter
-    def seq_len(self, value):
-        pass  # LayerCache.__init__ assigns 0; the length lives in the block tables
 
     def update(self, k, v):
         self.paged.write(self.layer_index, self.seq_id, k, v)
@@ -724,22 +721,15 @@ class PagedSequenceView(KVCache):
         self._pass_ids: list[int] | None = None  # the token ids of the forward pass in progress
 
     @property
-    def seq_len(self):
+    def seq_len(self):  # the block table is the truth: the sequence's written length
         return self.paged._seq(self.seq_id).length
 
-    @seq_len.setter
-    def seq_len(self, value):
-        pass  # KVCache.__init__ assigns 0; the length lives in the block tables
-
     def new_layer(self, window=None):
-        raise AssertionError("unreachable: every layer is made in __init__")
-
-    def layer(self, index, window=None):
-        if window is not None:
-            raise ValueError("paged sequences store full-attention layers only")
-        if index not in self._layers:
-            raise ValueError(f"layer {index} has no cache of its own in this PagedKVCache")
-        return self._layers[index]
+        # Every layer the pool stores was made in __init__; any other index has no pool.
+        raise ValueError(
+            f"this PagedKVCache stores layers {sorted(self.paged.k_pools)} (full attention); "
+            f"asked for another layer (window={window})"
+        )
 
     def check_room(self, new_tokens):
         super().check_room(new_tokens)

@@ -16,6 +16,13 @@ def require_positive_int(name: str, value, *, allow_zero: bool = False) -> int:
     return value
 
 
+def require_even(name: str, value: int, why: str = "") -> int:
+    """Return ``value`` if it is even; else raise ValueError naming ``name`` (and ``why`` it must be)."""
+    if value % 2:
+        raise ValueError(f"{name} must be even{' ' + why if why else ''}, got {value}")
+    return value
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What a decoder's KV cache depends on.

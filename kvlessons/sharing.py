@@ -17,12 +17,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import replace
 
-import torch
-from torch import nn
-
-from .cache import KVCache
-from .model import Block, RMSNorm, TinyConfig, TinyDecoder
-from .rope import apply_rope
+from .model import TinyConfig, TinyDecoder
 from .shape import ModelShape, cross_layer_owners, require_positive_int
 
 
@@ -51,60 +46,26 @@ def yoco_shape(layers: int, q_heads: int, kv_heads: int, head_dim: int, window: 
     )
 
 
-class YOCODecoder(TinyDecoder):
-    """A decoder-decoder: ``layers // 2`` sliding-window self-decoder layers, then cross-decoder layers.
+def yoco_config(config: TinyConfig, window: int) -> TinyConfig:
+    """``config`` as a YOCO decoder-decoder: windowed lower half, one global K/V for the upper half.
 
-    The lower half is ordinary (own K/V, own windowed cache). After it, one RMSNorm and
-    one pair of K/V projections turn the hidden state into the global K/V, stored in
-    ``cache.layer(layers // 2)``. Upper layers have queries but no K/V projections.
+    Nothing here is a second forward pass: the windows and ``kv_owners`` come from
+    :func:`yoco_shape`, and ``global_kv_layer`` marks the first upper layer, whose K/V
+    (projected from the self-decoder's output through a norm of their own) every upper
+    layer reads, and after which a prefill carries only the last position.
     """
+    shape = yoco_shape(config.layers, config.q_heads, config.kv_heads, config.head_dim, window, config.hidden_size)
+    return replace(config, windows=shape.windows, kv_owners=shape.kv_owners, global_kv_layer=config.layers // 2)
+
+
+class YOCODecoder(TinyDecoder):
+    """A TinyDecoder with :func:`yoco_config`: ``layers // 2`` sliding-window self-decoder layers, then
+    cross-decoder layers that read one global K/V, cached once, in ``cache.layer(layers // 2)``."""
 
     def __init__(self, config: TinyConfig | None = None, window: int = 8):
-        config = config or TinyConfig()
         require_positive_int("window", window)
         self.window = window
-        # Validates layers (even) and heads; the windows/kv_owners live on the shape.
-        self._yoco_shape = yoco_shape(config.layers, config.q_heads, config.kv_heads, config.head_dim, window, config.hidden_size)
-        super().__init__(config)
-
-    def _build(self, config: TinyConfig) -> None:
-        half = config.layers // 2
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        blocks = [Block(config, self.window) for _ in range(half)]  # self-decoder
-        blocks += [Block(config, None, projects_kv=False) for _ in range(half)]  # cross-decoder
-        self.blocks = nn.ModuleList(blocks)
-        self.global_norm = RMSNorm(config.hidden_size, config.norm_eps)
-        kv_width = config.kv_heads * config.head_dim
-        self.global_k = nn.Linear(config.hidden_size, kv_width, bias=False)
-        self.global_v = nn.Linear(config.hidden_size, kv_width, bias=False)
-        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-    @property
-    def shape(self) -> ModelShape:
-        return self._yoco_shape
-
-    def forward(self, ids: torch.Tensor, cache: KVCache | None = None, last_only: bool = False,
-                pad_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits as TinyDecoder's; with ``last_only`` the upper half runs for the last position only."""
-        cache, cos, sin, x, mask = self.begin(ids, cache, pad_mask)
-        b, t, _ = x.shape
-        half = len(self.blocks) // 2
-        c = self.config
-        with cache.transaction(ids):  # all or nothing, as in TinyDecoder.forward
-            x = self.run_blocks(range(half), x, cos, sin, cache, mask=mask)  # self-decoder over every new token
-            # The global K/V: computed once from the self-decoder's output, cached once.
-            h = self.global_norm(x)
-            k = apply_rope(self.global_k(h).view(b, t, c.kv_heads, c.head_dim).transpose(1, 2), cos, sin)
-            v = self.global_v(h).view(b, t, c.kv_heads, c.head_dim).transpose(1, 2)
-            kv = cache.layer(half).update(k, v)  # (B, H_kv, S, D)
-            if last_only:  # the cross-decoder has no cache to fill: only the last query matters
-                x, cos, sin = x[:, -1:], cos[..., -1:, :], sin[..., -1:, :]
-                mask = None if mask is None else mask[..., -1:, :]
-            x = self.run_blocks(range(half, len(self.blocks)), x, cos, sin, cache, shared={half: kv}, mask=mask)
-            logits = self.head(x)
-            cache.advance(t)
-        return logits
+        super().__init__(yoco_config(config or TinyConfig(), window))
 
 
 @contextmanager
@@ -114,9 +75,9 @@ def count_layer_tokens(model):
     handles = []
     for i, block in enumerate(model.blocks):
         def hook(_module, args, i=i):
-            x = args[0]  # (B, T, hidden)
+            x = args[0]  # (B, T, hidden): the positions this block carries on (YOCO's prefill: 1 in the upper half)
             counts[i] += x.shape[0] * x.shape[1]
-        handles.append(block.register_forward_pre_hook(hook))
+        handles.append(block.mlp.register_forward_pre_hook(hook))
     try:
         yield counts
     finally:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import kvlessons
+from kvlessons.generate import feed_in_chunks  # noqa: F401 (the tests' chunked loop is the package's)
 from kvlessons.cache import ConcatCache, StaticCache
 from kvlessons.fp4 import QuantizedCache
 from kvlessons.model import TinyConfig, TinyDecoder
@@ -92,13 +93,3 @@ def variant(request):
 def random_ids(batch, length, vocab=50, seed=0, dev=None):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(vocab, (batch, length), generator=g).to(dev or "cpu")
-
-
-def feed_in_chunks(model, ids, sizes, cache):
-    """Logits of ``ids`` fed through ``cache`` in pieces of ``sizes`` tokens, concatenated (B, T, vocab)."""
-    pieces, start = [], 0
-    with torch.inference_mode():
-        for size in sizes:
-            pieces.append(model(ids[:, start : start + size], cache=cache))
-            start += size
-    return torch.cat(pieces, dim=1)

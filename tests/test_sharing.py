@@ -184,3 +184,37 @@ def test_convert_to_gqa_refuses_yoco_and_handles_cla():
     w = cla.blocks[0].attn.k_proj.weight.view(2, 8, -1).mean(0)  # the two KV heads of layer 0, averaged
     torch.testing.assert_close(merged.blocks[0].attn.k_proj.weight, w)
     assert not hasattr(merged.blocks[1].attn, "k_proj")
+
+
+def test_yoco_is_a_config_of_the_one_decoder():
+    """YOCO is TinyDecoder's forward pass with a layer role: config.shape and shape agree, the
+    global K/V block has its own norm, and a bad global_kv_layer is refused."""
+    from dataclasses import replace
+
+    model = SHARED_MODELS["yoco"]()
+    assert model.config.shape == model.shape == yoco_shape(6, 4, 2, 8, 5, 32)
+    assert type(model).forward is TinyDecoder.forward
+    assert model.config.global_kv_layer == 3 and model.blocks[3].kv_norm is not None
+    assert all(model.blocks[i].kv_norm is None for i in (0, 1, 2, 4, 5))
+    same = TinyDecoder(model.config)  # the config alone rebuilds the same model
+    ids = random_ids(1, 9)
+    with torch.inference_mode():
+        torch.testing.assert_close(same(ids), model(ids))
+    for bad in (2, 4, 6):  # layer 2 owns a windowed cache, layer 4 reads 3's, 6 is past the end
+        with pytest.raises(ValueError, match="global_kv_layer"):
+            replace(model.config, global_kv_layer=bad)
+
+
+def test_yoco_prefill_carries_one_position_through_the_upper_half():
+    """With last_only the upper blocks carry 1 position, the global K/V still caches all of them,
+    and the last position's logits equal a full pass's."""
+    model = SHARED_MODELS["yoco"]().eval()
+    ids = random_ids(2, 12)
+    cache = ConcatCache()
+    with count_layer_tokens(model) as counts, torch.inference_mode():
+        last = model(ids, cache=cache, last_only=True)
+    assert counts == [24, 24, 24, 2, 2, 2]  # batch 2 x 12 positions below, batch 2 x 1 above
+    with torch.inference_mode():
+        full = model(ids)
+    assert cache.layer(3).seq_len == 12
+    torch.testing.assert_close(last, full[:, -1:], atol=1e-5, rtol=1e-5)
