@@ -59,14 +59,14 @@ bench: $(STAMP)
 	$(BIN)/python -m kvlessons.bench
 
 student: $(STAMP)
-	$(BIN)/python -m kvlessons.student student
+	$(BIN)/python -m kvlessons.course.student student
 
 site: $(STAMP)
-	$(BIN)/python -m kvlessons.site _site
+	$(BIN)/python -m kvlessons.course.site _site
 	@echo "open _site/index.html"
 
 links: $(STAMP)
-	$(BIN)/python -m kvlessons.links
+	$(BIN)/python -m kvlessons.course.links
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info student _site

@@ -8,7 +8,7 @@ Notebooks explain and call; this package computes. Modules, one per idea:
 """
 
 from ._device import device, synchronize
-from .environment import check_environment
+from .course.environment import check_environment
 from .shape import ModelShape
 
 __all__ = ["ModelShape", "check_environment", "device", "synchronize", "__version__"]

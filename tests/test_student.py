@@ -7,7 +7,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from kvlessons.student import stub_source, student_notebook, write_student_copies
+from kvlessons.course.student import stub_source, student_notebook, write_student_copies
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 WITH_EXERCISES = [p for p in sorted(NOTEBOOKS.glob("*.ipynb")) if '"solution"' in p.read_text()]

@@ -28,7 +28,7 @@ def check_environment(verbose: bool = True) -> dict:
     """Print (and return) versions, the device, whether widgets can render, and fixes for what is missing."""
     import torch
 
-    from ._device import device
+    from .._device import device
 
     colab = "google.colab" in sys.modules
     report = {

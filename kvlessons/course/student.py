@@ -1,7 +1,7 @@
 """Student copies of the lessons: every exercise solution replaced by a stub.
 
 Solutions live in code cells tagged ``solution`` in the committed notebooks (one
-source). ``python -m kvlessons.student [out_dir]`` (or ``make student``) writes copies
+source). ``python -m kvlessons.course.student [out_dir]`` (or ``make student``) writes copies
 in which each such cell becomes a stub: functions keep their signature and raise
 NotImplementedError with a hint; assigned names are set to None and the cell raises
 NotImplementedError, so the checker cell after it still runs and says what is missing.

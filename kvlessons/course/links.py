@@ -7,8 +7,8 @@ The repository's public URL is written once, as ``Repository`` under ``[project.
 * the setup cell at the top of every lesson (the code cell tagged ``colab-setup``), which installs the
   package when the notebook runs on Google Colab and does nothing anywhere else.
 
-``python -m kvlessons.links`` (or ``make links``) rewrites both after the URL or the pins change;
-``python -m kvlessons.links --check`` exits 1 if anything committed differs from what it would write
+``python -m kvlessons.course.links`` (or ``make links``) rewrites both after the URL or the pins change;
+``python -m kvlessons.course.links --check`` exits 1 if anything committed differs from what it would write
 (a unit test runs the same check).
 """
 
@@ -21,7 +21,21 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+
+
+def course_root(start: Path | None = None) -> Path:
+    """The checkout this tool works on: the nearest folder, from ``start`` (default: the current
+    folder) upwards, holding kvlessons' pyproject.toml and notebooks/.
+
+    The badges and setup cells are files of a checkout, not of an installed package, so
+    this refuses (ValueError) when run outside one.
+    """
+    here = (start or Path.cwd()).resolve()
+    for folder in (here, *here.parents):
+        pyproject = folder / "pyproject.toml"
+        if pyproject.is_file() and (folder / "notebooks").is_dir() and 'name = "kvlessons"' in pyproject.read_text():
+            return folder
+    raise ValueError(f"no kvlessons checkout at or above {here}: run this from the course's repository")
 SETUP_TAG = "colab-setup"
 BADGES_START = "<!-- links:start -->"
 BADGES_END = "<!-- links:end -->"
@@ -68,8 +82,9 @@ class Repository:
         return f"https://mybinder.org/v2/gh/{self.owner}/{self.name}/{self.branch}?urlpath=lab/tree/{path}"
 
 
-def repository(root: Path = ROOT) -> Repository:
+def repository(root: Path | None = None) -> Repository:
     """The repository named by ``[project.urls] Repository`` in ``root/pyproject.toml``."""
+    root = root or course_root()
     text = (root / "pyproject.toml").read_text()
     try:
         import tomllib
@@ -96,12 +111,14 @@ def pins(root: Path, path: str, names: tuple[str, ...] | None = None) -> list[st
     return chosen
 
 
-def lessons(root: Path = ROOT) -> list[Path]:
+def lessons(root: Path | None = None) -> list[Path]:
+    root = root or course_root()
     return sorted((root / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 
 
-def setup_cell_source(repo: Repository, notebook: str, root: Path = ROOT) -> str:
+def setup_cell_source(repo: Repository, notebook: str, root: Path | None = None) -> str:
     """The guarded cell: on Colab it pip-installs kvlessons (and lesson 08's model); elsewhere it does nothing."""
+    root = root or course_root()
     lines = [
         "# Google Colab only: install kvlessons into this runtime. Anywhere else this cell does nothing",
         "# (make lab, conda and Binder have installed everything already).",
@@ -127,7 +144,8 @@ def setup_cell_source(repo: Repository, notebook: str, root: Path = ROOT) -> str
     return "\n".join(lines)
 
 
-def setup_cell(repo: Repository, notebook: str, root: Path = ROOT) -> dict:
+def setup_cell(repo: Repository, notebook: str, root: Path | None = None) -> dict:
+    root = root or course_root()
     source = setup_cell_source(repo, notebook, root)
     return {
         "cell_type": "code",
@@ -139,8 +157,9 @@ def setup_cell(repo: Repository, notebook: str, root: Path = ROOT) -> dict:
     }
 
 
-def badges_markdown(repo: Repository, root: Path = ROOT) -> str:
+def badges_markdown(repo: Repository, root: Path | None = None) -> str:
     """The README's block: a Binder badge, a Colab badge, and a Colab link for every lesson."""
+    root = root or course_root()
     paths = [p.relative_to(root).as_posix() for p in lessons(root)]
     first = paths[0] if paths else "notebooks"
     rows = " · ".join(f"[{Path(p).name[:2]}]({repo.colab_url(p)})" for p in paths)
@@ -180,8 +199,9 @@ def _dump(nb: dict) -> str:
     return json.dumps(nb, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
 
 
-def render(root: Path = ROOT) -> dict[Path, str]:
+def render(root: Path | None = None) -> dict[Path, str]:
     """Every file this module owns, as it should read: README.md and each lesson."""
+    root = root or course_root()
     repo = repository(root)
     out = {root / "README.md": _with_badges((root / "README.md").read_text(), badges_markdown(repo, root))}
     for path in lessons(root):
@@ -190,12 +210,14 @@ def render(root: Path = ROOT) -> dict[Path, str]:
     return out
 
 
-def stale(root: Path = ROOT) -> dict[Path, str]:
+def stale(root: Path | None = None) -> dict[Path, str]:
     """The files whose committed text differs from what :func:`render` writes, with the text they should have."""
+    root = root or course_root()
     return {path: text for path, text in render(root).items() if path.read_text() != text}
 
 
-def write(root: Path = ROOT) -> list[Path]:
+def write(root: Path | None = None) -> list[Path]:
+    root = root or course_root()
     changed = stale(root)
     for path, text in changed.items():
         path.write_text(text)
@@ -203,16 +225,16 @@ def write(root: Path = ROOT) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvlessons.links", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kvlessons.course.links", description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="only report files that are out of date (exit 1)")
     args = parser.parse_args(argv)
     if args.check:
         changed = stale()
         for path in changed:
-            print(f"out of date: {path.relative_to(ROOT)} (run python -m kvlessons.links)")
+            print(f"out of date: {path.relative_to(course_root())} (run python -m kvlessons.course.links)")
         return 1 if changed else 0
     for path in write():
-        print(f"wrote {path.relative_to(ROOT)}")
+        print(f"wrote {path.relative_to(course_root())}")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""A static, readable site of the executed lessons: ``python -m kvlessons.site [out_dir]`` (``make site``).
+"""A static, readable site of the executed lessons: ``python -m kvlessons.course.site [out_dir]`` (``make site``).
 
 Each lesson becomes one HTML page (nbconvert's lab template: figures embedded as
 images, saved widget state included so widgets render where the page can load the
