@@ -1,8 +1,10 @@
-"""Attention over a cache: the one mask helper and the one attention call.
+"""Attention over a cache: the one mask helper, the one attention call, and its written-out reference.
 
-Every attention call in the package goes through :func:`attend`, and every mask
-comes from :func:`causal_mask`, so there is exactly one place where "which keys
-may this query see" is decided.
+The model attends through :func:`attend` (PyTorch's scaled dot-product attention).
+Lessons that show or measure the steps in between (scores, mask, softmax, weights)
+call :func:`reference_attention`, the same computation written out; the tests hold
+the two equal. Every mask comes from :func:`causal_mask`, so there is exactly one
+place where "which keys may this query see" is decided.
 """
 
 from __future__ import annotations
@@ -13,7 +15,12 @@ import torch.nn.functional as F
 from .shape import require_positive_int
 
 
-def causal_mask(q_len: int, kv_len: int, device=None, window: int | None = None) -> torch.Tensor:
+MASK_ALIGNMENTS = ("bottom_right", "top_left")
+
+
+def causal_mask(
+    q_len: int, kv_len: int, device=None, window: int | None = None, align: str = "bottom_right"
+) -> torch.Tensor:
     """Return a bool mask ``(q_len, kv_len)``, True where a query may attend to a key.
 
     The queries are the *last* ``q_len`` of ``kv_len`` positions: query i sits at
@@ -24,6 +31,9 @@ def causal_mask(q_len: int, kv_len: int, device=None, window: int | None = None)
 
     With ``window`` set, a query also stops seeing keys ``window`` or more positions
     behind it (sliding-window attention).
+
+    ``align="top_left"`` builds the ``is_causal=True`` mask instead (query i at position
+    i), so lessons can show it beside the right one; nothing in the model uses it.
     """
     require_positive_int("q_len", q_len)
     require_positive_int("kv_len", kv_len)
@@ -33,7 +43,10 @@ def causal_mask(q_len: int, kv_len: int, device=None, window: int | None = None)
         )
     if window is not None:
         require_positive_int("window", window)
-    q_pos = torch.arange(kv_len - q_len, kv_len, device=device).unsqueeze(1)  # (T, 1)
+    if align not in MASK_ALIGNMENTS:
+        raise ValueError(f"align must be one of {MASK_ALIGNMENTS}, got {align!r}")
+    first = kv_len - q_len if align == "bottom_right" else 0  # absolute position of query 0
+    q_pos = torch.arange(first, first + q_len, device=device).unsqueeze(1)  # (T, 1)
     k_pos = torch.arange(kv_len, device=device).unsqueeze(0)  # (1, S)
     mask = k_pos <= q_pos
     if window is not None:
@@ -48,6 +61,28 @@ def repeat_kv(x: torch.Tensor, group_size: int) -> torch.Tensor:
         return x
     b, h_kv, s, d = x.shape
     return x[:, :, None].expand(b, h_kv, group_size, s, d).reshape(b, h_kv * group_size, s, d)
+
+
+def kv_group_size(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+    """Return how many query heads read each KV head, after checking q, k, v are shaped for attention."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError("q, k and v must be 4-D (batch, heads, tokens, head_dim)")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    h_q, h_kv = q.shape[1], k.shape[1]
+    if h_q % h_kv:
+        raise ValueError(f"query heads ({h_q}) must be a multiple of KV heads ({h_kv})")
+    return h_q // h_kv
+
+
+def _attention_mask(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, window: int | None):
+    """The mask both attention functions apply: the caller's, the default causal one, and the window."""
+    t, s = q.shape[2], k.shape[2]
+    if mask is None and (t > 1 or window is not None):
+        return causal_mask(t, s, device=q.device, window=window)
+    if mask is not None and window is not None:
+        return mask & causal_mask(t, s, device=q.device, window=window)
+    return mask
 
 
 def attend(
@@ -65,19 +100,48 @@ def attend(
     bottom-right causal mask is used for T > 1; a single query needs none, because
     the cache only holds positions at or before it (unless a window cuts it).
     """
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError("q, k and v must be 4-D (batch, heads, tokens, head_dim)")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    h_q, t, h_kv, s = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
-    if h_q % h_kv:
-        raise ValueError(f"query heads ({h_q}) must be a multiple of KV heads ({h_kv})")
-    if mask is None and (t > 1 or window is not None):
-        mask = causal_mask(t, s, device=q.device, window=window)
-    elif mask is not None and window is not None:
-        mask = mask & causal_mask(t, s, device=q.device, window=window)
+    group_size = kv_group_size(q, k, v)
+    mask = _attention_mask(q, k, mask, window)
     # enable_gqa lets SDPA read each KV head for its whole group of query heads.
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=h_q != h_kv)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=group_size > 1)
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    window: int | None = None,
+    return_weights: bool = False,
+):
+    """Return the attention output ``(B, H_q, T, D)``, written out step by step; with
+    ``return_weights``, the pair (output, weights ``(B, H_q, T, S)``).
+
+    The same arguments, mask defaults and result as :func:`attend`, computed as
+    Vaswani et al. 2017 (arXiv 1706.03762) write it in equation 1:
+    ``softmax(q k^T / sqrt(D))`` over the keys a query may see, then the weighted sum
+    of the values. Each row of the weights sums to 1.
+
+    Grouped-query attention is done in the grouped layout: the g query heads that
+    read one KV head are stacked along the query axis, so one matmul per KV head
+    reads its keys once and K and V are never copied g times. Repeating each KV head
+    g times first (:func:`repeat_kv`) and attending head by head is the same arithmetic.
+    """
+    group_size = kv_group_size(q, k, v)
+    mask = _attention_mask(q, k, mask, window)
+    b, h_q, t, d = q.shape
+    h_kv, s = k.shape[1], k.shape[2]
+    qg = q.reshape(b, h_kv, group_size * t, d)  # (B, H_kv, g*T, D): query head h is in group h // g
+    scores = (qg @ k.transpose(-1, -2) / d**0.5).view(b, h_kv, group_size, t, s)  # (B, H_kv, g, T, S)
+    if mask is not None:
+        if mask.dtype != torch.bool:
+            raise ValueError(f"mask must be a bool tensor, True where a query may attend, got {mask.dtype}")
+        mask = mask[(None,) * (4 - mask.dim())]  # broadcastable to (B, H_q, T, S)
+        mask = mask.unsqueeze(2) if mask.shape[1] == 1 else mask.unflatten(1, (h_kv, group_size))
+        scores = scores.masked_fill(~mask, float("-inf"))  # a hidden key gets weight exactly 0
+    weights = scores.softmax(-1)  # (B, H_kv, g, T, S)
+    out = (weights.view(b, h_kv, group_size * t, s) @ v).view(b, h_q, t, d)  # (B, H_q, T, D)
+    return (out, weights.view(b, h_q, t, s)) if return_weights else out
 
 
 def positions_from_padding(pad_mask: torch.Tensor) -> torch.Tensor:

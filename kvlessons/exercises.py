@@ -348,7 +348,7 @@ def check_mask(fn) -> Feedback:
         got = got.bool()
         if torch.equal(got, want):
             continue
-        if torch.equal(got, torch.ones(q_len, kv_len, dtype=torch.bool).tril()):
+        if torch.equal(got, causal_mask(q_len, kv_len, align="top_left")):
             queries = f"{q_len} quer{'y' if q_len == 1 else 'ies'}"
             return Feedback(False, f"Your mask is aligned to the top left (like is_causal=True): with {queries} over "
                                    f"{kv_len} keys, query 0 sees only key 0, but it sits at position {kv_len - q_len} and "

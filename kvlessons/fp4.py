@@ -439,7 +439,7 @@ class QuantizedCache(KVCache):
 # What quantization does to attention and to generated text
 # ---------------------------------------------------------------------------------------------
 
-from .attention import attend, causal_mask, repeat_kv  # noqa: E402
+from .attention import attend, reference_attention  # noqa: E402
 from .rope import apply_rope, rope_tables  # noqa: E402
 
 
@@ -456,16 +456,9 @@ def attention_drift(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: str 
     distance between the attention weights (0 = identical, 1 = disjoint), and the
     largest change of any single weight.
     """
-    t, s = q.shape[2], k.shape[2]
     kq, vq = _heads_quantize(k, fmt), _heads_quantize(v, fmt)
-    g = q.shape[1] // k.shape[1]
-    mask = causal_mask(t, s, device=q.device)
-
-    def weights(keys):
-        scores = q @ repeat_kv(keys, g).transpose(-1, -2) / q.shape[-1] ** 0.5
-        return scores.masked_fill(~mask, float("-inf")).softmax(-1)
-
-    w_full, w_quant = weights(k), weights(kq)
+    _, w_full = reference_attention(q, k, v, return_weights=True)  # (B, H_q, T, S)
+    _, w_quant = reference_attention(q, kq, vq, return_weights=True)
     return {
         "output_rel_error": relative_error(attend(q, k, v), attend(q, kq, vq)),
         "weight_tv": 0.5 * (w_full - w_quant).abs().sum(-1).mean().item(),

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from .attention import causal_mask, repeat_kv
+from .attention import kv_group_size, reference_attention, repeat_kv
 from .shape import ModelShape, require_positive_int
 
 
@@ -24,26 +24,19 @@ def query_groups(q_heads: int, kv_heads: int) -> list[list[int]]:
 
 
 def explicit_attention(q, k, v, mask=None, grouped: bool = False):
-    """Attention written out with matmuls, (B, H_q, T, D) over K/V (B, H_kv, S, D).
+    """Attention written out with matmuls, (B, H_q, T, D) over K/V (B, H_kv, S, D), in either GQA layout.
 
-    ``grouped=False`` repeats each KV head for its group first (what ``enable_gqa``
-    stands for); ``grouped=True`` reshapes the queries into groups instead and never
-    materialises the repeat. Both do the same arithmetic.
+    Both layouts run the one reference computation,
+    :func:`~kvlessons.attention.reference_attention`. ``grouped=True`` hands it K/V as
+    stored: the queries are viewed in groups, one per KV head, and the repeat is never
+    materialised. ``grouped=False`` first repeats each KV head for its group (the
+    picture ``enable_gqa`` stands for), so the reference sees plain multi-head
+    attention. Both do the same arithmetic.
     """
-    b, h_q, t, d = q.shape
-    h_kv, s = k.shape[1], k.shape[2]
-    if h_q % h_kv:
-        raise ValueError(f"query heads ({h_q}) must be a multiple of KV heads ({h_kv})")
-    g = h_q // h_kv
-    mask = causal_mask(t, s, device=q.device) if mask is None else mask
-    if grouped:
-        qg = q.view(b, h_kv, g, t, d)  # (B, H_kv, g, T, D)
-        scores = qg @ k.unsqueeze(2).transpose(-1, -2) / d**0.5  # (B, H_kv, g, T, S)
-        out = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v.unsqueeze(2)
-        return out.reshape(b, h_q, t, d)
-    k, v = repeat_kv(k, g), repeat_kv(v, g)
-    scores = q @ k.transpose(-1, -2) / d**0.5  # (B, H_q, T, S)
-    return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+    if not grouped:
+        group_size = kv_group_size(q, k, v)
+        k, v = repeat_kv(k, group_size), repeat_kv(v, group_size)  # (B, H_q, S, D)
+    return reference_attention(q, k, v, mask)
 
 
 def count_flops(fn, *args, **kwargs) -> int:

@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import torch
 
-from .attention import causal_mask
+from .attention import attend
 from .cache import KVCache, LayerCache, _check_crop, _check_kv
 from .shape import ModelShape, require_positive_int
 
@@ -521,31 +521,28 @@ def gather_kv(pool: torch.Tensor, block_table, seq_len: int) -> torch.Tensor:
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table, seq_len: int) -> torch.Tensor:
     """Attention (1, H_q, T, D) of a sequence's last T queries over its keys, read through the block table.
 
-    The blocks are gathered whole (one index per block, not per token) and attention
-    is computed in the pool's (token, head, dim) layout, so nothing is transposed or
-    copied a second time. The bottom-right causal mask applies for T > 1.
+    The blocks are gathered whole (one index per block, not per token) and seen, through
+    a transposed view, in the (1, H_kv, S, D) layout attention expects; then
+    :func:`~kvlessons.attention.attend` runs on them as it does on a contiguous cache,
+    with the bottom-right causal mask for T > 1. The only difference from contiguous
+    attention is the gather and the strided layout it leaves the keys in.
     """
-    k, v = gather_rows(k_pool, block_table, seq_len), gather_rows(v_pool, block_table, seq_len)  # (S, H_kv, D)
-    _, h_q, t, d = q.shape
-    h_kv = k.shape[1]
-    if h_q % h_kv:
-        raise ValueError(f"query heads ({h_q}) must be a multiple of KV heads ({h_kv})")
-    g = h_q // h_kv
-    qg = q[0].reshape(h_kv, g * t, d)  # each KV head's group of query heads, all T queries: one matmul per head
-    scores = qg @ k.permute(1, 2, 0) / d**0.5  # (H_kv, g*T, S), reading k in place
-    if t > 1:
-        mask = causal_mask(t, seq_len, device=q.device)
-        scores = scores.view(h_kv, g, t, seq_len).masked_fill(~mask, float("-inf")).view(h_kv, g * t, seq_len)
-    out = scores.softmax(-1) @ v.transpose(0, 1)  # (H_kv, g*T, D)
-    return out.reshape(1, h_q, t, d)
+    k, v = gather_kv(k_pool, block_table, seq_len), gather_kv(v_pool, block_table, seq_len)  # (1, H_kv, S, D)
+    return attend(q, k, v)
 
 
 def paged_attention_blockwise(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table, seq_len: int) -> torch.Tensor:
     """The same result, one block at a time with a running softmax, as a paged kernel computes it.
 
     Never materialises the whole sequence's K/V: each block's scores update a running
-    maximum, denominator and weighted sum (the online softmax of FlashAttention).
+    maximum, denominator and weighted sum (the online softmax of FlashAttention, Dao et
+    al. 2022, arXiv 2205.14135; Milakov and Gimelshein 2018, arXiv 1805.02867).
     Decode form: one query per sequence (T = 1).
+
+    This is a different algorithm from the package's one attention, kept on purpose
+    because lesson 06 teaches it: the softmax is never taken over all the scores at
+    once. The tests hold it equal to
+    :func:`~kvlessons.attention.reference_attention` over the gathered keys.
     """
     if q.shape[2] != 1:
         raise ValueError("paged_attention_blockwise is the decode form: q must hold one token (T = 1)")

@@ -348,7 +348,7 @@ def mask_explorer_html(q_len: int, kv_len: int) -> str:
     from .attention import causal_mask
 
     right = causal_mask(q_len, kv_len)
-    top_left = torch.ones(q_len, kv_len, dtype=torch.bool).tril()
+    top_left = causal_mask(q_len, kv_len, align="top_left")
     same = torch.equal(right, top_left)
     verdict = ("identical: with no cache (q_len == kv_len) both alignments agree" if same else
                f"different: is_causal=True hides {int((right & ~top_left).sum())} key(s) the queries are entitled to see")

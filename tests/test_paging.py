@@ -9,7 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from conftest import HEAD_LAYOUTS, random_ids, small_model
 from kvlessons import ModelShape
-from kvlessons.attention import attend
+from kvlessons.attention import reference_attention
 from kvlessons.cache import StaticCache
 from kvlessons.generate import generate
 from kvlessons.paging import (
@@ -427,7 +427,7 @@ def test_random_pool_operations_keep_the_invariants_and_the_data():
 
 @pytest.mark.parametrize("seed", range(12))
 def test_paged_attention_equals_contiguous(seed):
-    """Through a shuffled block table, attention equals attention over the same keys held contiguously."""
+    """Through a shuffled block table, both paged forms equal attention over the same keys held contiguously."""
     rng = random.Random(seed)
     h_q, h_kv = rng.choice(list(HEAD_LAYOUTS.values()))
     bs = rng.choice([1, 3, 4, 16])
@@ -435,13 +435,17 @@ def test_paged_attention_equals_contiguous(seed):
     t = rng.randint(1, min(s, 5))
     n = -(-s // bs)
     g = torch.Generator().manual_seed(seed)
-    k_pool = torch.randn(n + 5, bs, h_kv, 8, generator=g)
+    k, v = torch.randn(1, h_kv, s, 8, generator=g), torch.randn(1, h_kv, s, 8, generator=g)  # (B, H_kv, S, D)
+    k_pool = torch.randn(n + 5, bs, h_kv, 8, generator=g)  # other sequences' rows everywhere else
     v_pool = torch.randn(n + 5, bs, h_kv, 8, generator=g)
     table = torch.randperm(n + 5, generator=g)[:n].tolist()
+    for p in range(s):  # position p lives in slot p % bs of block table[p // bs]
+        k_pool[table[p // bs], p % bs] = k[0, :, p]
+        v_pool[table[p // bs], p % bs] = v[0, :, p]
     q = torch.randn(1, h_q, t, 8, generator=g)
-    k, v = gather_kv(k_pool, table, s).contiguous(), gather_kv(v_pool, table, s).contiguous()
-    torch.testing.assert_close(paged_attention(q, k_pool, v_pool, table, s), attend(q, k, v))
-    torch.testing.assert_close(paged_attention_blockwise(q[:, :, -1:], k_pool, v_pool, table, s), attend(q[:, :, -1:], k, v))
+    torch.testing.assert_close(paged_attention(q, k_pool, v_pool, table, s), reference_attention(q, k, v))
+    last = q[:, :, -1:]  # the blockwise form is the decode step: one query
+    torch.testing.assert_close(paged_attention_blockwise(last, k_pool, v_pool, table, s), reference_attention(last, k, v))
 
 
 def test_gather_order_follows_the_table():
