@@ -132,4 +132,4 @@ def test_setup_cell_really_installs_the_package_from_git(tmp_path):
                             "print(d.version); print(sorted(str(f) for f in d.files if str(f).endswith('.py')))"],
         text=True, cwd=tmp_path)
     assert installed.splitlines()[0] == "0.1.0"
-    assert "kvlessons/links.py" in installed and "kvlessons/cache.py" in installed
+    assert "kvlessons/course/links.py" in installed and "kvlessons/cache.py" in installed  # subpackages too
