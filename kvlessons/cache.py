@@ -14,7 +14,7 @@ Variants differ only in how a layer stores them: ``ConcatCache`` grows by ``torc
 ``StaticCache`` preallocates and writes in place, and in either one a layer with a
 sliding window (``cache.layer(i, window=W)``) is a :class:`SlidingWindowLayer` that keeps
 only the newest W positions. ``kvlessons.fp4`` (quantized), ``kvlessons.paging`` (paged)
-and ``kvlessons.sharing`` (layers that share a cache) build on the same interface.
+and ``kvlessons.crosslayer`` (layers that share a cache) build on the same interface.
 
 **All or nothing.** A forward pass writes every layer before it advances the counter, so
 an exception half way (Ctrl-C in a notebook, out of memory, a bad input reaching a later

@@ -11,7 +11,7 @@ import math
 import operator
 from dataclasses import dataclass, field
 
-from .memory import SEED_EXAMPLE as SEED_MODEL
+from .memory import SOURCE_EXAMPLE as SOURCE_MODEL
 from .memory import kv_cache_bytes, max_sequences
 from .shape import ModelShape
 
@@ -70,7 +70,7 @@ GIB = 2**30
 
 
 def _kv_32k_exercise() -> NumericExercise:
-    answer = kv_cache_bytes(SEED_MODEL, 32768, batch=4, dtype="fp16")
+    answer = kv_cache_bytes(SOURCE_MODEL, 32768, batch=4, dtype="fp16")
     mha = ModelShape(layers=32, q_heads=32, kv_heads=32, head_dim=128)
     return NumericExercise(
         name="kv_32k",
@@ -84,7 +84,7 @@ def _kv_32k_exercise() -> NumericExercise:
             (kv_cache_bytes(mha, 32768, 4, "fp16") / GIB,
              "Four times too much: you used the 32 query heads. Only the 8 KV heads are cached (GQA)."),
             (answer / 4 / GIB, "That is one sequence. The question has 4 of them."),
-            (kv_cache_bytes(SEED_MODEL, 32768, 4, "fp32") / GIB, "Twice too much: fp16 is 2 bytes per value, not 4."),
+            (kv_cache_bytes(SOURCE_MODEL, 32768, 4, "fp32") / GIB, "Twice too much: fp16 is 2 bytes per value, not 4."),
             (answer * 8 / GIB, "Eight times too much: that counts bits. Bytes per value for fp16 is 2."),
             (answer / 32 / GIB, "That is one layer's share. Multiply by the 32 layers."),
         ],
@@ -100,13 +100,13 @@ KV_32K = _kv_32k_exercise()
 
 
 def check_32k_estimate(answer_gib) -> Feedback:
-    """Exercise 02.1: the cache for 4 sequences of 32,768 tokens on the seed model, in GiB."""
+    """Exercise 02.1: the cache for 4 sequences of 32,768 tokens on the source texts' model, in GiB."""
     return KV_32K.check(answer_gib)
 
 
 def _users_64k_exercise() -> NumericExercise:
-    budget = kv_cache_bytes(SEED_MODEL, 8192, batch=8, dtype="fp16")  # today: 8 users at 8K fill it
-    users = max_sequences(SEED_MODEL, 65536, budget, dtype="fp16")
+    budget = kv_cache_bytes(SOURCE_MODEL, 8192, batch=8, dtype="fp16")  # today: 8 users at 8K fill it
+    users = max_sequences(SOURCE_MODEL, 65536, budget, dtype="fp16")
     return NumericExercise(
         name="users_64k",
         question="8 users at 8K context fill the cache budget today. At 64K context, same budget, how many users fit?",
@@ -126,8 +126,8 @@ def _users_64k_exercise() -> NumericExercise:
 
 
 def _shrink_64k_exercise() -> NumericExercise:
-    budget = kv_cache_bytes(SEED_MODEL, 8192, batch=8, dtype="fp16")
-    need = kv_cache_bytes(SEED_MODEL, 65536, batch=8, dtype="fp16")
+    budget = kv_cache_bytes(SOURCE_MODEL, 8192, batch=8, dtype="fp16")
+    need = kv_cache_bytes(SOURCE_MODEL, 65536, batch=8, dtype="fp16")
     return NumericExercise(
         name="shrink_64k",
         question="To keep 8 users at 64K on the same memory, by what factor must bytes per token shrink?",

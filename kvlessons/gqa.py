@@ -57,7 +57,7 @@ def convert_to_gqa(model, kv_heads: int, method: str = "mean"):
     weights of the heads in each group; ``first`` keeps the first head of each group;
     ``random`` starts the new heads from scratch. Queries, outputs and MLPs are kept.
     """
-    from .sharing import YOCODecoder
+    from .crosslayer import YOCODecoder
 
     if isinstance(model, YOCODecoder):
         raise ValueError(

@@ -310,8 +310,10 @@ def _generate_positions_ignore_padding(model, ids, mask, max_new_tokens):
 # ---------------------------------------------------------------------------------------------
 
 
-def bytes_copied(cache_kind: str, steps: int, bytes_per_token: int, prompt_len: int = 1) -> int:
-    """Bytes a cache writes over ``steps`` one-token decode steps after a ``prompt_len`` prefill.
+def expected_bytes_written(cache_kind: str, steps: int, bytes_per_token: int, prompt_len: int = 1) -> int:
+    """Bytes a cache writes over ``steps`` one-token decode steps after a ``prompt_len`` prefill, by the formula.
+
+    The measurement to compare it with is ``cache.bytes_written()``, which the layers count as they write.
 
     "concat": ``torch.cat`` allocates and fills a new tensor holding everything at every
     step, so step i writes (prompt_len + i) tokens' worth: quadratic in the steps.

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .shape import require_even
+
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float = 10000.0):
     """Return ``(cos, sin)`` for integer ``positions`` (T,) or (B, T): each (…, T, head_dim).
@@ -11,8 +13,7 @@ def rope_tables(positions: torch.Tensor, head_dim: int, theta: float = 10000.0):
     Dimension pair (j, j + head_dim/2) rotates by ``position * theta**(-2j/head_dim)``,
     the layout Hugging Face's Llama uses, so real checkpoints load unchanged.
     """
-    if head_dim % 2:
-        raise ValueError(f"head_dim must be even for rotary embeddings, got {head_dim}")
+    require_even("head_dim", head_dim, "for rotary embeddings")
     inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
     angles = positions.to(torch.float32)[..., None] * inv_freq  # (..., T, D/2)
     angles = torch.cat([angles, angles], dim=-1)  # (..., T, D)

@@ -13,7 +13,7 @@ from kvlessons.cache import ConcatCache, StaticCache
 from kvlessons.fp4 import QuantizedCache
 from kvlessons.model import TinyConfig, TinyDecoder
 from kvlessons.paging import PagedKVCache
-from kvlessons.sharing import YOCODecoder
+from kvlessons.crosslayer import YOCODecoder
 
 # Storage kinds that take any TinyDecoder: name -> factory(max_tokens).
 STORAGE_KINDS = {

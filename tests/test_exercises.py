@@ -2,14 +2,14 @@ import pytest
 import torch
 
 from kvlessons import exercises
-from kvlessons.memory import SEED_EXAMPLE, kv_cache_bytes
+from kvlessons.memory import SOURCE_EXAMPLE, kv_cache_bytes
 
 
 def test_32k_right_answer():
     """16 GiB (and anything within rounding) is accepted."""
     assert exercises.check_32k_estimate(16).correct
     assert exercises.check_32k_estimate(16.02).correct
-    assert exercises.KV_32K.answer == kv_cache_bytes(SEED_EXAMPLE, 32768, 4, "fp16") / 2**30 == 16
+    assert exercises.KV_32K.answer == kv_cache_bytes(SOURCE_EXAMPLE, 32768, 4, "fp16") / 2**30 == 16
 
 
 @pytest.mark.parametrize(

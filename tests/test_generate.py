@@ -23,7 +23,7 @@ def test_counted_work_is_triangular_without_cache_and_linear_with(n):
 
 
 def test_the_four_token_example():
-    """The seed's example: four tokens cost 10 K/V computations without a cache, 4 with one."""
+    """The source text's example: four tokens cost 10 K/V computations without a cache, 4 with one."""
     result = measure_kv_work(small_model(), [4])
     assert result == {"n": [4], "recompute": [10], "cached": [4]}
 

@@ -23,13 +23,13 @@ from kvlessons.memory import (
 from kvlessons.shape import cross_layer_owners
 
 KIB, MIB, GIB = 2**10, 2**20, 2**30
-SEED_MODEL = ModelShape(layers=32, q_heads=32, kv_heads=8, head_dim=128)  # the seed texts' 8B-class example
+SOURCE_MODEL = ModelShape(layers=32, q_heads=32, kv_heads=8, head_dim=128)  # the source texts' 8B-class example
 
 
 def test_seed_example_is_the_seed_shape():
-    from kvlessons.memory import SEED_EXAMPLE
+    from kvlessons.memory import SOURCE_EXAMPLE
 
-    assert SEED_EXAMPLE == SEED_MODEL
+    assert SOURCE_EXAMPLE == SOURCE_MODEL
 
 
 # --- the formula is the truth: measured caches ------------------------------------------------
@@ -74,18 +74,18 @@ def test_cache_bytes_is_the_sum_of_per_position_bytes():
             assert kv_cache_bytes(s, n) == sum(kv_bytes_per_token(s, position=p) for p in range(n))
 
 
-# --- the seed's figures -------------------------------------------------------------------
+# --- the source text's figures -------------------------------------------------------------------
 
 def test_seed_figures():
     """Every figure of the source texts, reproduced from the formula."""
-    assert layer_bytes_per_token(SEED_MODEL, 0) == 4 * KIB
-    assert kv_bytes_per_token(SEED_MODEL, "fp16") == 131_072 == 128 * KIB
-    assert kv_cache_bytes(SEED_MODEL, 8192) == 1 * GIB
-    assert kv_cache_bytes(SEED_MODEL, 8192, batch=8) == 8 * GIB
-    assert kv_cache_bytes(SEED_MODEL, 8192, batch=32) == 32 * GIB
-    assert kv_cache_bytes(SEED_MODEL, 4096, batch=8) == 4 * GIB
-    assert kv_cache_bytes(SEED_MODEL, 4096) == 512 * MIB
-    assert kv_cache_bytes(SEED_MODEL, 32768, batch=4) == 16 * GIB
+    assert layer_bytes_per_token(SOURCE_MODEL, 0) == 4 * KIB
+    assert kv_bytes_per_token(SOURCE_MODEL, "fp16") == 131_072 == 128 * KIB
+    assert kv_cache_bytes(SOURCE_MODEL, 8192) == 1 * GIB
+    assert kv_cache_bytes(SOURCE_MODEL, 8192, batch=8) == 8 * GIB
+    assert kv_cache_bytes(SOURCE_MODEL, 8192, batch=32) == 32 * GIB
+    assert kv_cache_bytes(SOURCE_MODEL, 4096, batch=8) == 4 * GIB
+    assert kv_cache_bytes(SOURCE_MODEL, 4096) == 512 * MIB
+    assert kv_cache_bytes(SOURCE_MODEL, 32768, batch=4) == 16 * GIB
 
 
 @pytest.mark.parametrize(
@@ -151,7 +151,7 @@ def test_dtype_table_bits():
 def test_fp4_bytes_account_for_scales():
     """A 128-wide head in NVFP4: 64 bytes of codes + 8 one-byte scales = 72 bytes; bf16 / NVFP4 = 3.56x."""
     assert storage_format("nvfp4").row_bytes(128) == 72
-    ratio = kv_cache_bytes(SEED_MODEL, 1000, dtype="bf16") / kv_cache_bytes(SEED_MODEL, 1000, dtype="fp4")
+    ratio = kv_cache_bytes(SOURCE_MODEL, 1000, dtype="bf16") / kv_cache_bytes(SOURCE_MODEL, 1000, dtype="fp4")
     assert ratio == pytest.approx(16 / 4.5) and round(ratio, 2) == 3.56
 
 
@@ -162,23 +162,23 @@ def test_group_formats_need_whole_groups():
 
 def test_unknown_dtype_lists_known_ones():
     with pytest.raises(ValueError, match="bf16") as err:
-        kv_bytes_per_token(SEED_MODEL, "fp12")
+        kv_bytes_per_token(SOURCE_MODEL, "fp12")
     assert "nvfp4" in str(err.value) and "fp12" in str(err.value)
 
 
 # --- budgets and bad input --------------------------------------------------------------------
 
 def test_max_sequences():
-    """An 8 GiB budget holds 8 sequences of 8K on the seed model, 2 of 32K, none of 80K."""
-    assert max_sequences(SEED_MODEL, 8192, 8 * GIB) == 8
-    assert max_sequences(SEED_MODEL, 32768, 8 * GIB) == 2
-    assert max_sequences(SEED_MODEL, 81920, 8 * GIB) == 0
-    assert max_sequences(SEED_MODEL, 8192, 8 * GIB - 1) == 7
+    """An 8 GiB budget holds 8 sequences of 8K on the source texts' model, 2 of 32K, none of 80K."""
+    assert max_sequences(SOURCE_MODEL, 8192, 8 * GIB) == 8
+    assert max_sequences(SOURCE_MODEL, 32768, 8 * GIB) == 2
+    assert max_sequences(SOURCE_MODEL, 81920, 8 * GIB) == 0
+    assert max_sequences(SOURCE_MODEL, 8192, 8 * GIB - 1) == 7
 
 
 def test_max_context():
     """The longest context that fits is exact: one more token would not fit."""
-    n = max_context(SEED_MODEL, 8 * GIB, batch=8)
+    n = max_context(SOURCE_MODEL, 8 * GIB, batch=8)
     assert n == 8192
     odd = max_context(PRESETS["Gemma-2-9B"].shape, 10**9, batch=3)
     assert kv_cache_bytes(PRESETS["Gemma-2-9B"].shape, odd, 3) <= 10**9 < kv_cache_bytes(PRESETS["Gemma-2-9B"].shape, odd + 1, 3)
@@ -187,14 +187,14 @@ def test_max_context():
 @pytest.mark.parametrize(
     "call, name",
     [
-        (lambda: kv_cache_bytes(SEED_MODEL, 0), "seq_len"),
-        (lambda: kv_cache_bytes(SEED_MODEL, -5), "seq_len"),
-        (lambda: kv_cache_bytes(SEED_MODEL, 10, batch=0), "batch"),
-        (lambda: kv_cache_bytes(SEED_MODEL, 10.5), "seq_len"),
-        (lambda: max_sequences(SEED_MODEL, 10, 0), "budget_bytes"),
-        (lambda: max_sequences(SEED_MODEL, 10, -1), "budget_bytes"),
-        (lambda: kv_bytes_per_token(SEED_MODEL, position=-1), "position"),
-        (lambda: max_context(SEED_MODEL, 100, batch=-2), "batch"),
+        (lambda: kv_cache_bytes(SOURCE_MODEL, 0), "seq_len"),
+        (lambda: kv_cache_bytes(SOURCE_MODEL, -5), "seq_len"),
+        (lambda: kv_cache_bytes(SOURCE_MODEL, 10, batch=0), "batch"),
+        (lambda: kv_cache_bytes(SOURCE_MODEL, 10.5), "seq_len"),
+        (lambda: max_sequences(SOURCE_MODEL, 10, 0), "budget_bytes"),
+        (lambda: max_sequences(SOURCE_MODEL, 10, -1), "budget_bytes"),
+        (lambda: kv_bytes_per_token(SOURCE_MODEL, position=-1), "position"),
+        (lambda: max_context(SOURCE_MODEL, 100, batch=-2), "batch"),
         (lambda: preset("Llama-5"), "name"),
         (lambda: ModelShape(layers=2, q_heads=4, kv_heads=2, head_dim=8, kv_owners=(1, 1)), "kv_owners"),
         (lambda: ModelShape(layers=2, q_heads=4, kv_heads=2, head_dim=8, kv_owners=(0, 0), windows=(4, None)), "windows"),
@@ -223,7 +223,7 @@ def test_levers_are_computed():
     [(0, "0 B"), (1023, "1023 B"), (1024, "1 KiB"), (1536, "1.5 KiB"), (131072, "128 KiB"), (2**30, "1 GiB"), (8 * 2**30, "8 GiB"), (512 * 2**20, "512 MiB")],
 )
 def test_format_bytes_binary_units(n, text):
-    """Bytes print in binary units with the unit named (the seed's 128 KiB, 1 GiB, 512 MiB)."""
+    """Bytes print in binary units with the unit named (the source text's 128 KiB, 1 GiB, 512 MiB)."""
     assert format_bytes(n) == text
 
 

@@ -15,7 +15,7 @@ from kvlessons.pitfalls import (
     attend_is_causal_always,
     attend_textbook,
     broken_variant,
-    bytes_copied,
+    expected_bytes_written,
     check_cache_consistency,
     edit_and_continue,
     first_token_divergence,
@@ -140,9 +140,9 @@ def test_bytes_written_counts_quadratic_and_linear(steps):
     prompt = random_ids(1, 3)
     for kind, cache in (("concat", ConcatCache()), ("static", StaticCache(3 + steps + 1))):
         generate(model, prompt, steps + 1, cache=cache)
-        assert cache.bytes_written() == bytes_copied(kind, steps, per_token, prompt_len=3)
+        assert cache.bytes_written() == expected_bytes_written(kind, steps, per_token, prompt_len=3)
     with pytest.raises(ValueError, match="cache_kind"):
-        bytes_copied("ring", 3, 8)
+        expected_bytes_written("ring", 3, 8)
 
 
 def test_interrupted_pass_without_a_transaction_corrupts_the_cache():

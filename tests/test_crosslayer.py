@@ -8,7 +8,7 @@ from kvlessons.pitfalls import left_pad
 from kvlessons.generate import count_kv_work, generate
 from kvlessons.memory import kv_cache_bytes
 from kvlessons.model import TinyConfig, TinyDecoder
-from kvlessons.sharing import DEEPSEEK_V41_FLASH, YOCODecoder, cla_config, count_layer_tokens, yoco_shape
+from kvlessons.crosslayer import DEEPSEEK_V41_FLASH, YOCODecoder, cla_config, count_layer_tokens, yoco_shape
 
 BASE = TinyConfig(vocab_size=50, hidden_size=32, layers=6, q_heads=4, kv_heads=2, head_dim=8, mlp_hidden=48, seed=0)
 
@@ -131,7 +131,7 @@ def test_yoco_shape_counts_one_global_cache():
 
 
 def test_deepseek_record_is_the_seed_figures():
-    """The reported figures as the seed states them (not checkable here, only recorded)."""
+    """The reported figures as the source text states them (not checkable here, only recorded)."""
     assert DEEPSEEK_V41_FLASH["layers"] == sum(DEEPSEEK_V41_FLASH["split"]) == 40
     assert DEEPSEEK_V41_FLASH["global_kv_bytes_per_token"] == 890
     assert set(DEEPSEEK_V41_FLASH["layer_kinds"]) == {"Full", "Reindex", "Reuse"}
@@ -140,7 +140,7 @@ def test_deepseek_record_is_the_seed_figures():
 def test_variant_shapes_per_token_bytes():
     """Past the window, YOCO adds one layer's K/V per token; CLA-2 half the layers; GQA-8 a quarter of MHA."""
     from kvlessons.memory import kv_bytes_per_token
-    from kvlessons.sharing import variant_shapes
+    from kvlessons.crosslayer import variant_shapes
 
     v = variant_shapes(layers=32, q_heads=32, kv_heads=8, head_dim=128, window=4096, factor=2)
     b = {name: kv_bytes_per_token(s, "bf16", position=10_000) for name, s in v.items()}
@@ -150,7 +150,7 @@ def test_variant_shapes_per_token_bytes():
 
 
 def test_format_layers_names_each_role():
-    from kvlessons.sharing import format_layers
+    from kvlessons.crosslayer import format_layers
 
     text = format_layers(yoco_shape(4, 4, 2, 8, 16), global_from=2)
     lines = text.splitlines()[1:]

@@ -85,7 +85,7 @@ def count_layer_tokens(model):
             h.remove()
 
 
-# DeepSeek-V4.1-Flash as the seed text relays its technical report. These are the report's
+# DeepSeek-V4.1-Flash as the source text relays its technical report. These are the report's
 # figures; none can be checked here (no weights, no config, no per-layer pattern is given).
 DEEPSEEK_V41_FLASH = {
     "layers": 40,
