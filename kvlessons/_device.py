@@ -1,4 +1,4 @@
-"""Which device the lessons run on."""
+"""Which device the lessons run on (every lesson's setup cell: ``kvlessons.device()``)."""
 
 from __future__ import annotations
 

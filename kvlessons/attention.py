@@ -1,4 +1,4 @@
-"""Attention over a cache: the one mask helper, the one attention call, and its written-out reference.
+"""Attention over a cache: the one mask helper, the one attention call, and its written-out reference (lessons 01, 03, 07).
 
 The model attends through :func:`attend` (PyTorch's scaled dot-product attention).
 Lessons that show or measure the steps in between (scores, mask, softmax, weights)

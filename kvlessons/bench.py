@@ -1,4 +1,4 @@
-"""Measurements the lessons quote: ``python -m kvlessons.bench`` prints them as a table.
+"""Measurements the lessons quote (01, 04, 05, 06, 07, 08): ``python -m kvlessons.bench`` prints them as a table.
 
 Timings are wall-clock on whatever device is present, with GPU work synchronised;
 they are never asserted in unit tests, only reported.

@@ -1,4 +1,4 @@
-"""The KV cache interface and its basic variants.
+"""The KV cache interface and its basic variants (lesson 01; every later lesson builds on it).
 
 A cache is a container of per-layer objects plus one position counter:
 
@@ -113,7 +113,16 @@ class LayerCache:
         raise NotImplementedError
 
     def crop(self, length: int) -> None:
-        """Keep only the first ``length`` tokens (to rewind after an edit)."""
+        """Keep only the first ``length`` tokens (to rewind after an edit); 0 is a reset."""
+        self.check_crop(length)
+        if length == 0:
+            self.reset()
+        else:
+            self._keep_first(length)
+            self.seq_len = length
+
+    def _keep_first(self, length: int) -> None:
+        """Drop every stored token after the first ``length`` (0 < length <= seq_len, already checked)."""
         raise NotImplementedError
 
     # -- undo, for the cache's transactions --------------------------------------------------------
@@ -168,14 +177,9 @@ class ConcatLayer(LayerCache):
         self._k = self._v = None
         self.seq_len = 0
 
-    def crop(self, length):
-        self.check_crop(length)
-        if length == 0:
-            self.reset()
-            return
+    def _keep_first(self, length):
         # clone: a slice would keep the whole old tensor alive behind a smaller view
         self._k, self._v = self._k[:, :, :length].clone(), self._v[:, :, :length].clone()
-        self.seq_len = length
 
 
 class StaticLayer(LayerCache):
@@ -226,9 +230,8 @@ class StaticLayer(LayerCache):
     def reset(self):
         self.seq_len = 0  # keep the buffer: that is the point of preallocating
 
-    def crop(self, length):
-        self.check_crop(length)
-        self.seq_len = length
+    def _keep_first(self, length):
+        pass  # positions from `length` on become unreadable once seq_len says so; the next write overwrites them
 
 
 class SlidingWindowLayer(LayerCache):
@@ -325,8 +328,7 @@ class SlidingWindowLayer(LayerCache):
                 f"{needed}, but positions before {self._first} were already dropped"
             )
 
-    def crop(self, length):
-        self.check_crop(length)
+    def _keep_first(self, length):
         keep_from = min(length, max(self._first, length - self.window))  # the newest window before `length`
         k = v = None
         if keep_from < length:
@@ -338,7 +340,7 @@ class SlidingWindowLayer(LayerCache):
         self._first = self.seq_len = keep_from
         if k is not None:
             self._write(keep_from, k, v)
-        self._first, self.seq_len = keep_from, length
+        self._first = keep_from
 
     def snapshot(self):
         state = super().snapshot()

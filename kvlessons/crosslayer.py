@@ -1,4 +1,4 @@
-"""Caches shared across layers: cross-layer attention (CLA) and a YOCO-style decoder-decoder.
+"""Caches shared across layers (lesson 04): cross-layer attention (CLA) and a YOCO-style decoder-decoder.
 
 CLA (Brandon et al. 2024, arXiv 2405.12981): in each group of ``factor`` adjacent layers
 only the first projects and caches K/V; the others attend to that cache with their own

@@ -1,4 +1,4 @@
-"""Greedy decoding with and without a cache, and an instrument that counts K/V work."""
+"""Greedy decoding with and without a cache, the one chunked-feeding loop, and an instrument that counts K/V work (lesson 01)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Fewer KV heads: who reads what, what it saves, what it does not, and converting MHA to GQA.
+"""Fewer KV heads (lesson 03): who reads what, what it saves, what it does not, and converting MHA to GQA.
 
 Multi-query attention (Shazeer 2019, arXiv 1911.02150) keeps one K/V head; grouped-query
 attention (Ainslie et al. 2023, arXiv 2305.13245) keeps ``kv_heads`` of them, each read

@@ -1,4 +1,4 @@
-"""A small Llama-style decoder, written to be read.
+"""A small Llama-style decoder, written to be read (lesson 01; every lesson runs it).
 
     ids (B, T) -> embed -> [RMSNorm -> attention(GQA, RoPE, cache) -> + ; RMSNorm -> SwiGLU -> +] x layers
                -> RMSNorm -> logits (B, T, vocab)

@@ -1,4 +1,4 @@
-"""The KV-cache bugs that fill public issue trackers, each as a clearly named broken variant.
+"""The KV-cache bugs that fill public issue trackers, each as a clearly named broken variant (lesson 07).
 
 Every broken variant here is the real model with one thing done wrong, so the
 lesson can show it breaking a generation, and the tests can show that the detector

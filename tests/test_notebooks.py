@@ -28,7 +28,6 @@ def test_committed_with_outputs_and_no_errors(path):
     assert counts == list(range(1, len(code) + 1)), f"{path.name}: run `make execute` (counts {counts})"
     for cell in code:
         assert all(o.get("output_type") != "error" for o in cell["outputs"]), path.name
-        text = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
         for o in cell["outputs"]:
             if o.get("output_type") == "stream" and o.get("name") == "stderr":
                 assert "Traceback" not in "".join(o["text"]), path.name

@@ -131,19 +131,14 @@ class QuantizedLayer(LayerCache):
         self._scales, self._stored, self._tail = [None, None], [None, None], [None, None]
         self.seq_len = 0
 
-    def crop(self, length):
+    def _keep_first(self, length):
         """Keep the first ``length`` tokens, in new tensors (the held ones are never written into)."""
-        self.check_crop(length)
-        if length == 0:
-            self.reset()
-            return
         n_quantized = self.quantized_len
         if length <= n_quantized:
             self._stored = [_first_tokens(q, length) for q in self._stored]
             self._tail = [None, None]
         else:
             self._tail = [t[:, :, : length - n_quantized].clone() for t in self._tail]
-        self.seq_len = length
 
 
 class QuantizedCache(KVCache):

@@ -1,22 +1,12 @@
-"""Paged attention: a pool of fixed-size blocks, a block table per sequence, prefix sharing.
+"""Paged attention (lesson 06): a pool of fixed-size blocks, a block table per sequence, prefix sharing.
 
 As in vLLM (Kwon et al. 2023, arXiv 2309.06180): the cache of every sequence lives in
 blocks of ``block_size`` token slots taken from one shared pool; a sequence's block
 table maps its positions to blocks (position p is slot p % block_size of block
 table[p // block_size]). A sequence wastes at most the unused tail of its last block.
 
-Blocks are reference counted, so a forked sequence or a second request with the same
-prompt prefix shares blocks instead of copying them. One rule keeps sharing safe:
-**a sequence only writes into a block it alone holds.** Positions are reserved
-(:meth:`BlockTables.reserve`) before they are written and counted
-(:meth:`BlockTables.advance`) after; reserving room in a shared block copies it first
-(copy-on-write), and a fork shares only the blocks that hold written positions.
-
-Prefix sharing finds full blocks by a hash of (the parent block's hash, this block's
-token ids), and only blocks whose every id is known at its position qualify. The hash
-is sha256: Python's ``hash()`` is predictable and not built to resist a collision
-search, which let a crafted prompt plant keys and values that vLLM then served to
-another user's prompt (advisory CVE-2025-25183).
+Blocks are reference counted and shared (forks, common prompt prefixes); a sequence only
+writes into a block it alone holds (see ``blocks``).
 
 One concept per module:
 
