@@ -95,8 +95,10 @@ def feed_in_chunks(model, ids: torch.Tensor, chunks, cache: KVCache, last_only: 
     The tokens are appended after what ``cache`` already holds.
     """
     chunks = list(chunks)
-    if any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in chunks) or sum(chunks) != ids.shape[1]:
-        raise ValueError(f"chunks must be positive integers adding up to the {ids.shape[1]} tokens, got {chunks}")
+    for j, size in enumerate(chunks):
+        require_positive_int(f"chunks[{j}]", size)
+    if sum(chunks) != ids.shape[1]:
+        raise ValueError(f"chunks must add up to the {ids.shape[1]} tokens, got {chunks} (sum {sum(chunks)})")
     pieces, start = [], 0
     for size in chunks:
         logits = model(ids[:, start : start + size], cache=cache, last_only=last_only)

@@ -131,3 +131,16 @@ def test_interrupted_generation_leaves_the_cache_as_before(variant, dev):
     reference = variant.make_cache(model, 40)
     generate(model, prompt[:, :3], 2, cache=reference)
     assert torch.equal(generate(model, prompt, 10, cache=cache).tokens, generate(model, prompt, 10, cache=reference).tokens)
+
+
+def test_feed_in_chunks_refuses_bad_chunks():
+    """Chunks must be positive integers that add up to the tokens: each rule named, nothing fed."""
+    from kvlessons.generate import feed_in_chunks
+
+    model, cache = small_model(), ConcatCache()
+    ids = random_ids(1, 6)
+    for chunks, match in (([3, 0, 3], r"chunks\[1\] must be positive"), ([3, 2.0, 1], r"chunks\[1\] must be an integer"),
+                          ([3, 2], "add up to the 6 tokens")):
+        with pytest.raises(ValueError, match=match):
+            feed_in_chunks(model, ids, chunks, cache)
+    assert cache.seq_len == 0
