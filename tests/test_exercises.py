@@ -67,7 +67,8 @@ def test_feedback_shows_its_message():
 
 # --- lesson 05: one FP4 block by hand ----------------------------------------------------------
 
-from kvlessons.exercises import FP4_BLOCK, _block_answer, check_fp4_block  # noqa: E402
+from kvlessons.exercises import FP4_BLOCK, check_fp4_block  # noqa: E402
+from kvlessons.exercises.lesson05 import _block_answer  # noqa: E402
 
 
 def test_fp4_block_right_answer():

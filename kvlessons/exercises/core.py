@@ -1,0 +1,84 @@
+"""What every checker shares: the verdict it returns, numeric questions with known wrong answers and tiered hints, and reading a learner's value leniently."""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Feedback:
+    """A checker's verdict; shows as its message in a notebook."""
+
+    correct: bool
+    message: str
+
+    def __repr__(self) -> str:
+        return self.message
+
+
+@dataclass
+class NumericExercise:
+    """A question with one numeric answer, known wrong answers with their diagnosis, and tiered hints."""
+
+    name: str
+    question: str
+    answer: float
+    unit: str
+    explanation: str
+    mistakes: list[tuple[float, str]] = field(default_factory=list)
+    hints: list[str] = field(default_factory=list)
+    rel_tol: float = 0.005
+
+    def _close(self, a: float, b: float) -> bool:
+        return math.isclose(a, b, rel_tol=self.rel_tol, abs_tol=1e-9)
+
+    def check(self, value) -> Feedback:
+        """Feedback on ``value``: correct, a named mistake with a hint, or a first hint."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return Feedback(False, f"Expected a number ({self.unit}), got {value!r}. Replace the ... with your answer.")
+        if self._close(value, self.answer):
+            return Feedback(True, f"Correct: {self.explanation}")
+        for wrong, diagnosis in self.mistakes:
+            if self._close(value, wrong):
+                return Feedback(False, f"Not quite: {value:g} {self.unit}. {diagnosis}")
+        return Feedback(False, f"Not {value:g} {self.unit}. Hint: {self.hints[0]}" if self.hints else f"Not {value:g}.")
+
+    def hint(self, level: int = 1) -> str:
+        """Hint number ``level`` (1 = gentlest); the last one works the answer out."""
+        if not self.hints:
+            return "No hints for this one."
+        level = min(max(int(level), 1), len(self.hints))
+        return f"Hint {level}/{len(self.hints)}: {self.hints[level - 1]}"
+
+
+def as_list(x):
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return x.reshape(-1).tolist()
+    return list(x)
+
+
+def as_number(value) -> float | None:
+    """``value`` as a float if it is one number (int, float, NumPy scalar, one-element tensor), else None."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def as_ints(values) -> list[int] | None:
+    """``values`` (a list, tuple, NumPy array or tensor of integers) as a list of ints, else None."""
+    if values is None or isinstance(values, (str, bytes)):
+        return None
+    try:
+        items = as_list(values)
+        if any(isinstance(v, bool) for v in items):  # True is no code
+            return None
+        return [operator.index(v) for v in items]  # ints and NumPy ints; not floats
+    except TypeError:
+        return None
