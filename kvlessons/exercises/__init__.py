@@ -8,18 +8,22 @@ One module per lesson (``lesson02``, ...), on ``core``'s Feedback and NumericExe
 everything is importable from here: ``from kvlessons import exercises; exercises.check_32k_estimate(...)``.
 """
 
+import importlib
+import pkgutil
+
 from .core import Feedback, NumericExercise
-from .lesson02 import KV_32K, SHRINK_64K, USERS_64K, check_32k_estimate, check_64k_plan
-from .lesson05 import FP4_BLOCK, FP4_BLOCK_CODES, FP4_BLOCK_PACKED, FP4_BLOCK_SCALE, check_fp4_block
-from .lesson07 import MASK_HINTS, POSITION_HINTS, check_mask, check_positions
 
-__all__ = [
-    "EXERCISES", "FP4_BLOCK", "FP4_BLOCK_CODES", "FP4_BLOCK_PACKED", "FP4_BLOCK_SCALE", "Feedback", "KV_32K",
-    "MASK_HINTS", "NumericExercise", "POSITION_HINTS", "SHRINK_64K", "USERS_64K", "check_32k_estimate",
-    "check_64k_plan", "check_fp4_block", "check_mask", "check_positions", "hint",
-]
-
-EXERCISES = {e.name: e for e in (KV_32K, USERS_64K, SHRINK_64K)}
+# Every lessonNN module's public names (its __all__) are exported here, so a lesson calls
+# exercises.check_...(); every NumericExercise among them is reachable by name through hint().
+__all__ = ["EXERCISES", "Feedback", "NumericExercise", "hint"]
+EXERCISES: dict[str, NumericExercise] = {}
+for _module in sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name.startswith("lesson")):
+    _lesson = importlib.import_module(f"{__name__}.{_module}")
+    for _name in _lesson.__all__:
+        _value = globals()[_name] = getattr(_lesson, _name)
+        __all__.append(_name)
+        if isinstance(_value, NumericExercise):
+            EXERCISES[_value.name] = _value
 
 
 def hint(name: str, level: int = 1) -> str:

@@ -8,6 +8,9 @@ from ..shape import ModelShape
 from .core import Feedback, NumericExercise
 
 
+__all__ = ["KV_32K", "USERS_64K", "SHRINK_64K", "check_32k_estimate", "check_64k_plan"]
+
+
 GIB = 2**30
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 from .core import Feedback, as_ints, as_number
 
 
+__all__ = ["FP4_BLOCK", "FP4_BLOCK_SCALE", "FP4_BLOCK_CODES", "FP4_BLOCK_PACKED", "check_fp4_block"]
+
+
 # 16 values whose largest magnitude is negative (so max() and abs-max differ) and which
 # include exact ties between E2M1 grid points once divided by the scale 0.5.
 FP4_BLOCK = (-3.0, 1.2, 0.125, 0.6, -0.75, 2.5, 0.0, 1.75, -0.2, 0.375, 1.0, -2.2, 0.9, 0.625, -1.25, 2.0)

@@ -5,6 +5,9 @@ from __future__ import annotations
 from .core import Feedback, as_list
 
 
+__all__ = ["POSITION_HINTS", "MASK_HINTS", "check_positions", "check_mask"]
+
+
 POSITION_HINTS = [
     "The new tokens come right after the cached ones. What is the position of the first new token?",
     "With cache_len tokens cached (positions 0 .. cache_len - 1), the next free position is cache_len.",
