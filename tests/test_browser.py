@@ -102,3 +102,47 @@ def test_estimator_slider_updates_the_total_in_a_browser(lab):
         page.screenshot(path=str(SHOTS / "estimator-8192.png"))
         browser.close()
     assert "Estimated KV cache: 8 GiB for 8 sequences of 8,192 tokens" in text
+
+
+def test_make_lab_opens_the_learners_own_copies(tmp_path):
+    """`make lab` (its real recipe, on a copy of the course) writes student/ and opens JupyterLab there: the
+    lessons with their exercises unsolved, and the solved lessons one click away in solutions/."""
+    course = tmp_path / "course"
+    shutil.copytree(ROOT, course, ignore=shutil.ignore_patterns(".venv", ".git", "student", "_site", "test-output", "__pycache__"))
+    port, token = _free_port(), "kvlessons-lab-test"
+    cmd = ["make", "-C", str(course), "lab", f"BIN={Path(sys.executable).parent}", f"STAMP={ROOT / 'Makefile'}",
+           f"LAB_PORT={port}", f"LAB_ARGS=--IdentityProvider.token={token}"]
+    log = open(tmp_path / "lab.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 90
+        while time.time() < deadline:
+            try:
+                urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            pytest.fail("make lab did not start JupyterLab: " + (tmp_path / "lab.log").read_text()[-2000:])
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                        args=["--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking"])
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.set_default_timeout(120_000)
+            page.goto(f"{base}/lab?token={token}")
+            listing = page.locator(".jp-DirListing-item")
+            listing.filter(has_text="01_why_caching_works.ipynb").first.wait_for()
+            listing.filter(has_text="solutions").first.wait_for()  # the solved lessons, one click away
+            page.goto(f"{base}/lab/tree/01_why_caching_works.ipynb?token={token}")
+            page.locator(".jp-Notebook").first.wait_for()
+            page.get_by_text("Your turn", exact=False).first.wait_for(state="attached")  # an unsolved exercise
+            SHOTS.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(SHOTS / "make-lab-student-01.png"))
+            browser.close()
+    finally:
+        os.killpg(proc.pid, 15)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)

@@ -56,3 +56,28 @@ def test_student_copy_runs_with_only_stub_errors(path, tmp_path):
     # checker reports that. Either way the learner sees NotImplementedError once per exercise at least.
     stubs = sum("solution" in c.metadata.get("tags", []) for c in nb.cells)
     assert sum(s.count("NotImplementedError") for s in shown) >= stubs
+
+
+def test_existing_copies_are_kept_unless_overwritten(tmp_path):
+    """Regenerating student copies never erases a learner's work; --overwrite starts over."""
+    first = write_student_copies(NOTEBOOKS, tmp_path)
+    assert all(isinstance(n, int) for n in first.values()) and set(first) == {p.name for p in NOTEBOOKS.glob("*.ipynb")}
+    for name in first:  # the solved lessons sit beside the copies, unchanged
+        assert (tmp_path / "solutions" / name).read_text() == (NOTEBOOKS / name).read_text()
+    lesson = tmp_path / WITH_EXERCISES[0].name
+    lesson.write_text(lesson.read_text().replace("NotImplementedError", "my answer", 1))
+    again = write_student_copies(NOTEBOOKS, tmp_path)
+    assert set(again.values()) == {None} and "my answer" in lesson.read_text()
+    write_student_copies(NOTEBOOKS, tmp_path, overwrite=True)
+    assert "my answer" not in lesson.read_text()
+
+
+def test_a_class_solution_keeps_its_methods_as_stubs():
+    """A solution written as a class keeps the class, its bases and every method's signature; each method raises."""
+    src = "class MyCache(object):\n    def __init__(self):\n        self.k = None\n\n    def update(self, k, v):\n        return k, v\n"
+    stub = stub_source(src)
+    assert "class MyCache(object):" in stub and "def update(self, k, v):" in stub and "return k, v" not in stub
+    ns = {}
+    exec(stub, ns)
+    with pytest.raises(NotImplementedError, match="Exercise"):
+        ns["MyCache"]()

@@ -1,8 +1,8 @@
 """Student copies of the lessons: every exercise solution replaced by a stub.
 
 Solutions live in code cells tagged ``solution`` in the committed notebooks (one
-source). ``python -m kvlessons.course.student [out_dir]`` (or ``make student``) writes copies
-in which each such cell becomes a stub: functions keep their signature and raise
+source). ``python -m kvlessons.course.student [out_dir]`` (``make student``; ``make lab`` runs it
+and opens the copies) writes copies in which each such cell becomes a stub: functions keep their signature and raise
 NotImplementedError with a hint; assigned names are set to None and the cell raises
 NotImplementedError, so the checker cell after it still runs and says what is missing.
 """
@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import shutil
 from pathlib import Path
 
 SOLUTION_TAG = "solution"
+SOLUTIONS = "solutions"  # the folder, inside the student copies, holding the solved lessons
 HINT = "Exercise: replace this stub with your solution; the checker in the next cell tells you what is wrong."
 
 
@@ -26,6 +28,14 @@ def stub_source(solution: str, hint: str = HINT) -> str:
     for node in tree.body:
         if isinstance(node, ast.FunctionDef):
             lines += [f"def {node.name}({ast.unparse(node.args)}):", f"    raise NotImplementedError({hint!r})", ""]
+        elif isinstance(node, ast.ClassDef):  # the class and its methods' signatures stay; every method body is the stub
+            bases = ", ".join(ast.unparse(b) for b in node.bases)
+            lines.append(f"class {node.name}({bases}):" if bases else f"class {node.name}:")
+            methods = [m for m in node.body if isinstance(m, ast.FunctionDef)]
+            for m in methods:
+                lines += [f"    def {m.name}({ast.unparse(m.args)}):", f"        raise NotImplementedError({hint!r})", ""]
+            if not methods:
+                lines += ["    pass", ""]
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for target in targets:
@@ -53,14 +63,25 @@ def student_notebook(nb: dict) -> tuple[dict, int]:
     return out, count
 
 
-def write_student_copies(notebooks_dir: str | Path = "notebooks", out_dir: str | Path = "student") -> dict[str, int]:
-    """Write a student copy of every lesson into ``out_dir``; return {notebook name: stubs written}."""
+def write_student_copies(notebooks_dir: str | Path = "notebooks", out_dir: str | Path = "student",
+                         overwrite: bool = False) -> dict[str, int | None]:
+    """Write a student copy of every lesson into ``out_dir``; return {notebook name: stubs written}.
+
+    A copy that already exists is kept (None in the result): it may hold a learner's work,
+    which regenerating would erase. ``overwrite=True`` starts every copy over. The solved
+    lessons are copied beside them into ``out_dir/solutions/``, refreshed every time.
+    """
     src, dst = Path(notebooks_dir), Path(out_dir)
-    dst.mkdir(parents=True, exist_ok=True)
-    written = {}
+    (dst / SOLUTIONS).mkdir(parents=True, exist_ok=True)
+    written: dict[str, int | None] = {}
     for path in sorted(src.glob("*.ipynb")):
+        shutil.copyfile(path, dst / SOLUTIONS / path.name)  # the solved lesson, one click away (ours: always refreshed)
+        target = dst / path.name
+        if target.exists() and not overwrite:
+            written[path.name] = None
+            continue
         nb, count = student_notebook(json.loads(path.read_text()))
-        (dst / path.name).write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+        target.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
         written[path.name] = count
     return written
 
@@ -69,9 +90,13 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description="Write student copies of the lessons (solutions replaced by stubs).")
     parser.add_argument("out_dir", nargs="?", default="student")
     parser.add_argument("--notebooks", default="notebooks")
+    parser.add_argument("--overwrite", action="store_true", help="start every copy over, erasing work done in them")
     args = parser.parse_args(argv)
-    for name, count in write_student_copies(args.notebooks, args.out_dir).items():
-        print(f"{args.out_dir}/{name}: {count} exercise{'s' if count != 1 else ''} stubbed")
+    for name, count in write_student_copies(args.notebooks, args.out_dir, args.overwrite).items():
+        if count is None:
+            print(f"{args.out_dir}/{name}: kept, it may hold your work (--overwrite to start it over)")
+        else:
+            print(f"{args.out_dir}/{name}: {count} exercise{'s' if count != 1 else ''} stubbed")
 
 
 if __name__ == "__main__":
