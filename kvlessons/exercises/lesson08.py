@@ -1,0 +1,129 @@
+"""Lesson 08's exercises: SmolLM2's cache bytes per token from its config, and the bandwidth bound of a decode step."""
+
+from __future__ import annotations
+
+import math
+
+from ..memory import kv_bytes_per_token, preset
+from ..shape import ModelShape
+from .core import Feedback, NumericExercise, as_number, check_parts
+
+
+__all__ = ["SMOLLM2_FP32", "SMOLLM2_BF16", "DECODE_BOUND_HINTS", "check_smollm2_bytes", "check_decode_bound"]
+
+
+SMOLLM2 = preset("SmolLM2-135M").shape  # 30 layers, 9 query heads, 3 KV heads, head_dim 64, hidden 576
+
+
+def _bytes_exercise(dtype: str, size: int) -> NumericExercise:
+    s = SMOLLM2
+    answer = kv_bytes_per_token(s, dtype)
+    mha = ModelShape(layers=s.layers, q_heads=s.q_heads, kv_heads=s.q_heads, head_dim=s.head_dim)
+    working = f"2 (K and V) x {s.layers} layers x {s.kv_heads} KV heads x {s.head_dim} x {size} B"
+    if dtype == "fp32":
+        half = ("Half the answer: either only keys were counted (each token stores a key and a value), "
+                f"or 2 bytes per value were used (that is the bf16 figure); fp32 is {size} bytes.")
+    else:
+        half = "Half the answer: did you count only keys? Each token stores a key and a value (the leading 2)."
+    mistakes = [
+        (kv_bytes_per_token(mha, dtype),
+         f"Three times too much: you used the {s.q_heads} query heads (or hidden_size {s.hidden_size} = "
+         f"{s.q_heads} x {s.head_dim}). Only the {s.kv_heads} KV heads are cached; each serves "
+         f"{s.q_heads // s.kv_heads} query heads (GQA)."),
+        (answer / 2, half),
+        (answer / s.layers, f"That is one layer's share. All {s.layers} layers keep their own K and V."),
+        (answer * 8, f"Eight times too much: that counts bits. {dtype} is {size} bytes per value."),
+        (answer / 1024, "That is KiB; the answer is asked in bytes."),
+    ]
+    if dtype == "bf16":
+        fp32 = kv_bytes_per_token(s, "fp32")
+        mistakes.append((fp32, "Twice too much: that is the fp32 figure. bf16 is 2 bytes per value."))
+    return NumericExercise(
+        name=f"smollm2_{dtype}",
+        question=f"SmolLM2-135M (its config: {s.layers} layers, {s.q_heads} query heads, {s.kv_heads} KV heads, head_dim "
+        f"{s.head_dim}): cache bytes per token in {dtype}?",
+        answer=answer,
+        unit="bytes",
+        explanation=f"{working} = {answer:,} bytes ({answer / 1024:g} KiB) per token.",
+        mistakes=mistakes,
+        hints=[
+            "Per token, every layer stores one key and one value vector for each KV head (not each query head).",
+            f"Multiply: 2 x layers x kv_heads x head_dim x bytes per value; {dtype} is {size} bytes per value.",
+            f"{working} = {answer:,} bytes.",
+        ],
+    )
+
+
+SMOLLM2_FP32 = _bytes_exercise("fp32", 4)
+SMOLLM2_BF16 = _bytes_exercise("bf16", 2)
+
+
+def check_smollm2_bytes(fp32_bytes, bf16_bytes) -> Feedback:
+    """Exercise 08.1: SmolLM2's cache bytes per token in fp32 and in bf16, from its config."""
+    return check_parts(("fp32", SMOLLM2_FP32, fp32_bytes), ("bf16", SMOLLM2_BF16, bf16_bytes))
+
+
+DECODE_BOUND_HINTS = [
+    "If moving bytes were the only cost, a step would take (bytes it must read) / (bytes per second the memory delivers).",
+    "A decode step reads every weight once and the whole cache once: weight_bytes + cache_bytes. bandwidth is in "
+    "bytes per second, so the quotient is in seconds.",
+    "bound_ms = 1e3 * (weight_bytes + cache_bytes) / bandwidth",
+]
+
+
+def check_decode_bound(bound_ms, *, bandwidth, weight_bytes, cache_bytes) -> Feedback:
+    """Exercise 08.2: the bandwidth bound of one decode step in ms, from this run's measured ``bandwidth`` (bytes/s).
+
+    The answer is computed from the arguments (the notebook's measured bandwidth and
+    counted bytes), so it holds on any machine. Known slips are recognised by
+    computing them: the cache or the weights left out, the cache counted twice,
+    seconds, bits, tokens per second, decimal and binary units mixed.
+    """
+    bandwidth, weight_bytes, cache_bytes = (as_number(v) for v in (bandwidth, weight_bytes, cache_bytes))
+    if not all(v is not None and math.isfinite(v) and v > 0 for v in (bandwidth, weight_bytes, cache_bytes)):
+        return Feedback(False, "Pass the measured numbers: check_decode_bound(bound_ms, bandwidth=bandwidth, "
+                               "weight_bytes=weight_bytes, cache_bytes=...), each a positive number.")
+    step_bytes = weight_bytes + cache_bytes
+    answer = 1e3 * step_bytes / bandwidth
+    share = cache_bytes / step_bytes
+    exercise = NumericExercise(
+        name="decode_bound",
+        question="The fastest a decode step could be if reading memory were its only cost, in ms.",
+        answer=answer,
+        unit="ms",
+        explanation=(f"{step_bytes / 2**20:,.2f} MiB read per step / {bandwidth / 1e9:.1f} GB/s = {answer:.2f} ms. "
+                     f"The weights are {1 - share:.1%} of it at this context: the cache matters once it is long."),
+        mistakes=[
+            (1e3 * weight_bytes / bandwidth,
+             f"You left out the cache. At this short context it is only {share:.1%} of the bytes, but it is read at "
+             f"every step too, and at thousands of tokens it rivals the weights (lesson 02)."),
+            (1e3 * cache_bytes / bandwidth,
+             "You counted only the cache. Every decode step also reads every weight once, and here the weights are "
+             "most of the bytes."),
+            (1e3 * (weight_bytes + 2 * cache_bytes) / bandwidth,
+             "The cache is counted twice: its bytes already hold both K and V."),
+            (step_bytes / bandwidth, "That is in seconds; the question asks for milliseconds (x 1000)."),
+            (8e3 * step_bytes / bandwidth, "Eight times too much: bytes were counted as bits, or the bandwidth as bits."),
+            (bandwidth / step_bytes, "That is the inverse: steps (tokens) per second at the bound. The time per step "
+             "is bytes / bandwidth."),
+            (1e3 * bandwidth / step_bytes, "That is the inverse (times 1000): the bound is bytes / bandwidth, not "
+             "bandwidth / bytes."),
+            (answer * 2**30 / 1e9, "GiB and GB mixed: the bandwidth is in bytes per second (GB/s = 10^9 B/s, "
+             "not 2^30)."),
+            (answer * 1e9 / 2**30, "GiB and GB mixed: the bandwidth is in bytes per second (GB/s = 10^9 B/s, "
+             "not 2^30)."),
+        ],
+        hints=DECODE_BOUND_HINTS,
+        rel_tol=1e-3,  # tight: leaving out the small cache must not pass for the answer
+    )
+    feedback = exercise.check(bound_ms)
+    value = as_number(bound_ms)
+    if feedback.correct or value is None or not math.isfinite(value) or value <= 0:
+        return feedback
+    if any(exercise._close(value, wrong) for wrong, _ in exercise.mistakes):
+        return feedback  # a named mistake
+    power = math.log10(value / answer)
+    if round(power) != 0 and abs(power - round(power)) < 1e-3:
+        return Feedback(False, f"Not quite: {value:g} ms is 10^{round(power)} times the answer. Check the units: "
+                               f"bytes over bytes per second gives seconds, and a second is 1000 ms.")
+    return feedback
