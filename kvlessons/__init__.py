@@ -1,10 +1,11 @@
 """kvlessons: the tested helpers behind a hands-on course on the transformer KV cache.
 
-Notebooks explain and call; this package computes. Modules, one per idea:
-``shape`` (ModelShape), ``attention`` (the mask and the attention call), ``rope``,
-``cache`` (the cache interface and its variants), ``model`` (TinyDecoder),
-``generate`` (greedy decoding and work counting), ``bench`` (measurements),
-``plots`` and ``widgets`` (display only).
+Notebooks explain and call; this package computes. One concept per module (the README's
+package table lists them with the lessons that use them): ``shape``, ``attention``,
+``rope``, ``cache``, ``model``, ``generate``, ``memory``, ``gqa``, ``crosslayer``, ``fp4``,
+``paging``, ``pitfalls``, ``pretrained``, ``scaffold`` (lesson 01's model without a cache),
+``exercises`` (the checkers), ``bench`` (measurements), ``plots`` and ``widgets`` (display
+only); ``course`` holds the tooling that runs the course rather than what it teaches.
 """
 
 from ._device import device, synchronize

@@ -13,7 +13,10 @@ import html
 from IPython.display import HTML, display
 
 from .generate import TraceStep
-from .memory import DTYPES, PRESETS, Estimate, estimate, format_bytes, kv_cache_bytes
+from .memory import (
+    DTYPES, PRESETS, Estimate, estimate, format_bytes, kv_bytes_per_token, kv_cache_bytes, layer_bytes_per_token,
+    storage_format,
+)
 
 _BOX = "display:inline-block;min-width:1.6em;padding:2px 4px;margin:1px;border-radius:3px;text-align:center;font-family:monospace;"
 _PROMPT = "background:#cfe2ff;border:1px solid #6c9bd2;"
@@ -105,59 +108,90 @@ ESTIMATOR_RANGES = {
     "layers": (8, 96, 1),
     "kv_heads": (1, 64, 1),
     "head_dim": (32, 256, 32),  # multiples of 32: whole scale groups for every 4-bit format
-    "seq_len": (512, 65536, 512),
+    "seq_len": (512, 131072, 512),  # up to 128K, the longest context in the presets' table
     "batch": (1, 64, 1),
 }
 ESTIMATOR_DEFAULTS = {"layers": 32, "kv_heads": 8, "head_dim": 128, "seq_len": 4096, "batch": 8, "dtype": "bf16"}
 
 
-def estimate_html(est: Estimate, preset_name: str | None = None) -> str:
-    """HTML for one estimate: the total, the per-token/per-layer/per-sequence breakdown, the formula.
+def _count(n: int, word: str) -> str:
+    """'1 sequence', '8 sequences'."""
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
 
-    With ``preset_name`` whose shape has windows or a latent cache, the preset's exact
-    figure is shown too, since the uniform formula overstates it.
-    """
+
+def _breakdown_html(title: str, total: int, per_token_per_layer: int, per_token: int, per_sequence: int,
+                    seq_len: int, batch: int, dtype: str, formula: str) -> str:
     rows = [
-        ("Per token, per layer", est.per_token_per_layer),
-        ("Per token, all layers", est.per_token),
-        ("One full sequence", est.per_sequence),
+        ("Per token, per layer", per_token_per_layer),
+        ("Per token, all layers", per_token),
+        ("One full sequence", per_sequence),
     ]
     cells = "".join(
         f"<tr><td style='padding:2px 12px 2px 0'>{label}</td><td style='text-align:right'><b>{format_bytes(v)}</b></td></tr>"
         for label, v in rows
     )
-    extra = ""
-    if preset_name is not None:
-        p = PRESETS[preset_name]
-        exact = kv_cache_bytes(p.shape, est.seq_len, est.batch, est.dtype)
-        if exact != est.total:
-            extra = (
-                f"<div style='margin-top:6px;color:#7a4b00'>{html.escape(p.name)} exactly: <b>{format_bytes(exact)}</b> "
-                f"({html.escape(p.note)})</div>"
-            )
     return (
-        f"<div style='font-size:110%'>Estimated KV cache: <b>{format_bytes(est.total)}</b> "
-        f"for {est.batch} sequences of {est.seq_len:,} tokens in {est.dtype}</div>"
+        f"<div style='font-size:110%'>{title}: <b>{format_bytes(total)}</b> "
+        f"for {_count(batch, 'sequence')} of {_count(seq_len, 'token')} in {dtype}</div>"
         f"<table style='margin:6px 0'>{cells}</table>"
-        f"<div style='font-family:monospace'>{html.escape(est.formula)}</div>{extra}"
+        f"<div style='font-family:monospace'>{html.escape(formula)}</div>"
     )
 
 
+def _latent_html(p, seq_len: int, batch: int, dtype: str) -> str:
+    """A latent-cache (MLA) preset: its own figure, since K/V heads and head dim do not describe what it stores."""
+    shape = p.shape
+    total = kv_cache_bytes(shape, seq_len, batch, dtype)
+    per_value = f"{float(storage_format(dtype).bits_per_value / 8):g} B"
+    layers = len(shape.cache_layers)
+    formula = (f"{_count(layers, 'layer')} · {shape.latent_dim} latent values · {seq_len:,} tokens · "
+               f"{batch} seq · {per_value} = {total:,} B = {format_bytes(total)}")
+    note = (f"<div style='margin-top:6px;color:#7a4b00'>{html.escape(p.name)}: {html.escape(p.note)}; "
+            f"so the KV heads and head dim sliders do not apply (greyed out). Move the layers slider to leave "
+            f"the preset.</div>")
+    return _breakdown_html(
+        f"Estimated KV cache ({html.escape(p.name)}, MLA latents)", total, layer_bytes_per_token(shape, 0, dtype),
+        kv_bytes_per_token(shape, dtype), kv_cache_bytes(shape, seq_len, 1, dtype), seq_len, batch, dtype, formula,
+    ) + note
+
+
+def estimate_html(est: Estimate, preset_name: str | None = None) -> str:
+    """HTML for one estimate: the total, the per-token/per-layer/per-sequence breakdown, the formula.
+
+    With ``preset_name`` whose shape has windows, the preset's exact figure is shown too,
+    since the uniform formula overstates it. A preset with a latent cache (MLA) is shown
+    as what it stores, one latent row per layer per token: its KV heads and head dim do
+    not enter, so ``est``'s are ignored and only its length, batch and precision count.
+    """
+    p = PRESETS[preset_name] if preset_name is not None else None
+    if p is not None and p.shape.latent_dim is not None:
+        return _latent_html(p, est.seq_len, est.batch, est.dtype)
+    page = _breakdown_html("Estimated KV cache", est.total, est.per_token_per_layer, est.per_token, est.per_sequence,
+                           est.seq_len, est.batch, est.dtype, est.formula)
+    if p is not None:
+        exact = kv_cache_bytes(p.shape, est.seq_len, est.batch, est.dtype)
+        if exact != est.total:
+            page += (
+                f"<div style='margin-top:6px;color:#7a4b00'>{html.escape(p.name)} exactly: <b>{format_bytes(exact)}</b> "
+                f"({html.escape(p.note)})</div>"
+            )
+    return page
+
+
 def _preset_slider_values(name: str) -> dict:
-    """Slider values for a preset (clamped into the sliders' ranges)."""
+    """The slider values a preset sets: layers, KV heads and head dim; layers only for a latent (MLA) cache."""
     s = PRESETS[name].shape
-    values = {"layers": s.layers, "kv_heads": s.kv_heads, "head_dim": s.head_dim}
-    for key, v in values.items():
-        lo, hi, _ = ESTIMATOR_RANGES[key]
-        values[key] = min(max(v, lo), hi)
-    return values
+    if s.latent_dim is not None:
+        return {"layers": s.layers}
+    return {"layers": s.layers, "kv_heads": s.kv_heads, "head_dim": s.head_dim}
 
 
 def memory_estimator_widget():
     """Sliders for layers, KV heads, head dim, context and sequences, a precision and a preset selector.
 
     Every reachable combination is valid (ranges and steps are chosen so), so the
-    widget cannot be driven into an exception. Returns the widget box.
+    widget cannot be driven into an exception. A latent-cache preset (MLA) greys out
+    the KV heads and head dim sliders, which do not describe its cache. Returns the widget box.
     """
     import ipywidgets as w
 
@@ -180,13 +214,15 @@ def memory_estimator_widget():
     def render(change=None):
         if state["loading"]:
             return
-        est = current()
-        if state["preset"] is not None and _preset_slider_values(state["preset"]) != {
-            k: sliders[k].value for k in ("layers", "kv_heads", "head_dim")
-        }:
-            state["preset"] = None  # a shape slider moved: no longer the preset
-            presets.value = "custom"
-        view.value = estimate_html(est, state["preset"])
+        if state["preset"] is not None:
+            wanted = _preset_slider_values(state["preset"])
+            if wanted != {k: sliders[k].value for k in wanted}:
+                state["preset"] = None  # a shape slider moved: no longer the preset
+                presets.value = "custom"
+        latent = state["preset"] is not None and PRESETS[state["preset"]].shape.latent_dim is not None
+        for key in ("kv_heads", "head_dim"):
+            sliders[key].disabled = latent
+        view.value = estimate_html(current(), state["preset"])
 
     def load_preset(change):
         if change["new"] == "custom":

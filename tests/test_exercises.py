@@ -30,6 +30,50 @@ def test_32k_diagnoses_each_mistake(wrong, diagnosis):
     assert not fb.correct and diagnosis in fb.message
 
 
+def test_32k_query_heads_and_only_keys_is_not_only_fp32():
+    """32 GiB is reached by fp32 alone or by query heads (x4) with only keys (x1/2): the diagnosis names both."""
+    fb = exercises.check_32k_estimate(32)
+    assert not fb.correct
+    for words in ("2 bytes per value", "32 query heads", "only keys"):
+        assert words in fb.message, fb.message
+
+
+@pytest.mark.parametrize(
+    "wrong, words",
+    [
+        (16 * 1024, "in MiB"),
+        (16 * 2**30, "in bytes"),
+        (32000 * 131072 * 4 / 2**30, "32,768"),  # 15.625
+        (32000 * 131072 * 4 / 10**9, "32,768"),  # and in GB: both slips named
+        (16 * 2**30 / 2 / 10**9, "key and a value"),  # 8.59: GB and only keys
+    ],
+)
+def test_32k_unit_and_token_slips_are_named(wrong, words):
+    """MiB, raw bytes and 32,000 tokens get their own words, alone or combined with another slip."""
+    fb = exercises.check_32k_estimate(wrong)
+    assert not fb.correct and words in fb.message, fb.message
+    assert exercises.KV_32K.hints[0] not in fb.message  # a diagnosis, not the generic first hint
+
+
+def test_32k_combined_slips_name_both():
+    """A number two slips give together names both slips."""
+    fb = exercises.check_32k_estimate(32000 * 131072 * 4 / 10**9)
+    assert "GB (10^9 bytes)" in fb.message and "32,000 tokens" in fb.message, fb.message
+
+
+def test_32k_wrong_answers_are_distinct():
+    """No listed wrong answer is within tolerance of another, or of the answer: no diagnosis shadows another."""
+    ex = exercises.KV_32K
+    values = [v for v, _ in ex.mistakes]
+    assert len(values) >= 10
+    for i, a in enumerate(values):
+        assert not ex._close(a, ex.answer), a
+        for b in values[i + 1:]:
+            assert not ex._close(a, b), (a, b)
+    for value, diagnosis in ex.mistakes:  # and each is reached through its own entry
+        assert ex.check(value).message.endswith(diagnosis)
+
+
 def test_unrecognised_answer_gets_the_first_hint():
     fb = exercises.check_32k_estimate(3)
     assert not fb.correct and exercises.KV_32K.hints[0] in fb.message
@@ -151,6 +195,77 @@ def test_fp4_block_integer_rounding_is_diagnosed():
     assert not fb.correct and "the grid is 0, 0.5, 1" in fb.message
 
 
+# --- lesson 05, exercise 2: the bytes of an NVFP4 cache with a full-precision tail --------------------
+
+from kvlessons.exercises import FP4_CACHE_BYTES, check_fp4_cache_bytes  # noqa: E402
+from kvlessons.exercises.lesson05 import _fp4_cache_bytes  # noqa: E402
+
+
+def test_fp4_cache_bytes_key_is_the_formula():
+    """The hand-worked 314,048,768 B is what quantized_cache_bytes predicts for that cache."""
+    from kvlessons.memory import quantized_cache_bytes
+
+    predicted = quantized_cache_bytes(SOURCE_EXAMPLE, 8192, 1, "nvfp4", residual=128, residual_dtype="bf16")
+    assert FP4_CACHE_BYTES.answer == _fp4_cache_bytes() == predicted == 314_048_768
+    assert check_fp4_cache_bytes(314_048_768).correct
+    assert check_fp4_cache_bytes(314_048_768.0).correct
+
+
+def test_fp4_cache_bytes_model_matches_a_measured_cache():
+    """The byte model behind the wrong answers is, without slips, what a real bf16 QuantizedCache holds."""
+    from kvlessons.fp4 import QuantizedCache
+    from kvlessons.memory import measured_bytes
+
+    cache = QuantizedCache("nvfp4", residual=4)
+    for i in range(2):  # 2 layers, 2 KV heads of width 32, 10 tokens: 6 quantized, 4 in the tail
+        k = torch.randn(1, 2, 10, 32, dtype=torch.bfloat16)
+        cache.layer(i).update(k, k.clone())
+    assert measured_bytes(cache) == _fp4_cache_bytes(layers=2, kv_heads=2, head_dim=32, seq_len=10, residual=4)
+
+
+@pytest.mark.parametrize(
+    "slip, words",
+    [
+        (dict(block_scale_bytes=0), "block scales are missing"),
+        (dict(block_scale_bytes=2), "E4M3, one byte"),
+        (dict(tensor_scales="none"), "Off by 256 B"),
+        (dict(tensor_scales="token"), "counted per token"),
+        (dict(tensor_scales="every token"), "counted for every token"),
+        (dict(tensor_scales="head"), "per KV head"),
+        (dict(tail="ignored"), "every token in NVFP4"),
+        (dict(tail="on top"), "counted twice"),
+        (dict(tail_bytes=4), "in fp32"),
+        (dict(kv=1), "only K"),
+    ],
+)
+def test_fp4_cache_bytes_diagnoses_each_slip(slip, words):
+    """Each slip (block scales forgotten, tensor scale per token, tail ignored, ...) gets its own words."""
+    fb = check_fp4_cache_bytes(_fp4_cache_bytes(**slip))
+    assert not fb.correct and words in fb.message, fb.message
+
+
+def test_fp4_cache_bytes_units_near_misses_and_odd_values():
+    """MiB and MB are named; a near miss says how far off; non-numbers get words and the first hint, never an error."""
+    import numpy as np
+
+    assert "MiB" in check_fp4_cache_bytes(299.5).message
+    assert "MB (10^6" in check_fp4_cache_bytes(314.05).message
+    assert "768 B short" in check_fp4_cache_bytes(314_048_000).message
+    assert check_fp4_cache_bytes(np.int64(314_048_768)).correct
+    assert check_fp4_cache_bytes(torch.tensor(314_048_768)).correct
+    for bad in (None, ..., "314048768", float("nan"), float("inf"), True, [1, 2]):
+        fb = check_fp4_cache_bytes(bad)
+        assert not fb.correct and "Expected a number of bytes" in fb.message, bad
+    assert FP4_CACHE_BYTES.hints[0] in check_fp4_cache_bytes(12345).message
+
+
+def test_fp4_cache_bytes_wrong_answers_are_distinct():
+    """No two listed wrong answers coincide, and none is the answer."""
+    values = [v for v, _ in FP4_CACHE_BYTES.mistakes]
+    assert len(set(values)) == len(values) and FP4_CACHE_BYTES.answer not in values
+    assert exercises.hint("fp4_cache_bytes", 3).endswith("314,048,768 B.")
+
+
 # --- lesson 07: fix the bug ----------------------------------------------------------------------
 
 from kvlessons.exercises import check_mask, check_positions  # noqa: E402
@@ -184,3 +299,52 @@ def test_mask_checker():
     for words, fn in cases.items():
         fb = check_mask(fn)
         assert not fb.correct and words in fb.message, (words, fb.message)
+
+
+def _bottom_right(q, k):
+    return torch.ones(q, k, dtype=torch.bool).tril(k - q)
+
+
+def _additive(allowed):
+    """The additive form of a bool mask: 0 where attention is allowed, -inf where it is not."""
+    return torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+
+
+def test_mask_checker_accepts_a_right_additive_mask():
+    """A float mask of 0 / -inf (or finfo.min) with the right pattern is right, and the convention is said."""
+    fb = check_mask(lambda q, k: _additive(_bottom_right(q, k)))
+    assert fb.correct and "additive" in fb.message, fb.message
+    low = torch.finfo(torch.float32).min
+    assert check_mask(lambda q, k: torch.zeros(q, k).masked_fill(~_bottom_right(q, k), low)).correct
+
+
+def test_mask_checker_reads_additive_masks_before_diagnosing():
+    """A wrong additive mask is diagnosed as the mask it means (0 = attend), not as its inverse."""
+    fb = check_mask(lambda q, k: _additive(torch.ones(q, k, dtype=torch.bool).tril()))
+    assert not fb.correct and "top left" in fb.message and "additive" in fb.message, fb.message
+    fb = check_mask(lambda q, k: _additive(~_bottom_right(q, k)))
+    assert not fb.correct and "swapped" in fb.message, fb.message
+
+
+def test_mask_checker_explains_the_true_means_masked_convention():
+    """nn.MultiheadAttention's True = masked out is named as a flipped convention, alone or with top-left alignment."""
+    fb = check_mask(lambda q, k: ~_bottom_right(q, k))
+    assert not fb.correct and "MultiheadAttention" in fb.message and "~mask" in fb.message, fb.message
+    assert "lets token" not in fb.message and "hides token" not in fb.message
+    fb = check_mask(lambda q, k: torch.ones(q, k, dtype=torch.bool).triu(1))  # the textbook square mask, flipped
+    assert not fb.correct and "MultiheadAttention" in fb.message and "top left" in fb.message, fb.message
+
+
+@pytest.mark.parametrize(
+    "fn, words",
+    [
+        (lambda q, k: _bottom_right(q, k).float(), "hide nothing"),  # 1.0 / 0.0 would be added to the scores
+        (lambda q, k: torch.randn(q, k), "is no mask"),
+        (lambda q, k: None, "not a tensor"),
+        (lambda q, k: "mask", "not a tensor"),
+    ],
+)
+def test_mask_checker_never_raises_on_odd_returns(fn, words):
+    """Floats that are no mask, and values that are no tensor, get words, not an exception."""
+    fb = check_mask(fn)
+    assert not fb.correct and words in fb.message, fb.message

@@ -123,6 +123,13 @@ def test_gpt2_fp32_and_smollm_fp32():
     assert kv_bytes_per_token(PRESETS["SmolLM2-135M"].shape, "fp32") == 45 * KIB
 
 
+def test_gpt2_note_says_which_precision_each_figure_is():
+    """The GPT-2 note gives its per-token bytes with their precision, as the formula computes them (bf16 and fp32)."""
+    p = PRESETS["GPT-2 small"]
+    for dtype in ("bf16", "fp32"):
+        assert f"{format_bytes(kv_bytes_per_token(p.shape, dtype))} per token in {dtype}" in p.note, p.note
+
+
 def test_deepseek_latent_is_68_6_kib():
     """MLA: one 576-wide latent per layer per token, 61 layers, 2 bytes: 68.625 KiB, about 1/29 of MHA at its head count."""
     shape = PRESETS["DeepSeek-V3"].shape

@@ -5,7 +5,7 @@ import pytest
 from conftest import random_ids, small_model
 from kvlessons.cache import ConcatCache
 from kvlessons.generate import trace_generation
-from kvlessons.memory import DTYPES, PRESETS, estimate, format_bytes
+from kvlessons.memory import DTYPES, PRESETS, estimate, format_bytes, kv_bytes_per_token, kv_cache_bytes
 from kvlessons.model import CharTokenizer
 from kvlessons.widgets import (
     ESTIMATOR_RANGES,
@@ -89,6 +89,54 @@ def test_estimator_preset_and_its_exact_figure():
     assert "Gemma-2-9B exactly" in box.view.value
     box.sliders["layers"].value = 40  # moving a shape slider leaves the preset
     assert box.presets.value == "custom" and "exactly" not in box.view.value
+
+
+def test_estimator_shows_deepseek_as_mla_latents():
+    """DeepSeek-V3 loads as what it caches (one 576-wide latent per layer per token), not as clamped K/V heads."""
+    p = PRESETS["DeepSeek-V3"]
+    box = memory_estimator_widget()
+    box.presets.value = "DeepSeek-V3"
+    box.sliders["seq_len"].value = 8192
+    page = box.view.value
+    assert f"<b>{format_bytes(kv_cache_bytes(p.shape, 8192, 8, 'bf16'))}</b>" in page  # 4.29 GiB: MLA's figure
+    assert f"<b>{format_bytes(kv_bytes_per_token(p.shape))}</b>" in page and "576 latent values" in page
+    assert "KV head" not in page.split("<table")[0] and "64 KV heads" not in page
+    assert box.sliders["kv_heads"].disabled and box.sliders["head_dim"].disabled
+    box.dtype.value = "nvfp4"  # the latent in 4.5 bits
+    assert f"<b>{format_bytes(kv_cache_bytes(p.shape, 8192, 8, 'nvfp4'))}</b>" in box.view.value
+    box.sliders["layers"].value = 60  # leaves the preset: the K/V sliders count again
+    assert box.presets.value == "custom" and not box.sliders["kv_heads"].disabled
+    assert "576 latent" not in box.view.value
+
+
+def test_every_preset_fits_the_sliders():
+    """A preset's layers (and K/V heads, head dim unless it caches latents) lie on the sliders: nothing is clamped."""
+    from kvlessons.widgets import _preset_slider_values
+
+    for name in PRESETS:
+        for key, v in _preset_slider_values(name).items():
+            lo, hi, step = ESTIMATOR_RANGES[key]
+            assert lo <= v <= hi and (v - lo) % step == 0, (name, key, v)
+    assert _preset_slider_values("DeepSeek-V3") == {"layers": 61}
+
+
+def test_context_slider_reaches_the_128k_of_the_table():
+    """The context slider goes to 131,072 tokens, the longest length the presets' table discusses."""
+    assert ESTIMATOR_RANGES["seq_len"][1] >= 131072
+    box = memory_estimator_widget()
+    box.sliders["seq_len"].value = 131072
+    assert box.sliders["seq_len"].value == 131072
+    assert "131,072 tokens" in box.view.value
+    assert f"<b>{format_bytes(estimate(32, 8, 128, 131072, 8).total)}</b>" in box.view.value  # 128 GiB
+
+
+def test_estimator_counts_in_words_that_agree_with_the_number():
+    """One KV head and one sequence are singular; more are plural."""
+    one = estimate_html(estimate(8, 1, 32, 512, 1, "bf16"))
+    assert "1 KV head ·" in one and "for 1 sequence of" in one
+    assert "1 KV heads" not in one and "1 sequences" not in one
+    two = estimate_html(estimate(8, 2, 32, 512, 2, "bf16"))
+    assert "2 KV heads ·" in two and "for 2 sequences of" in two
 
 
 def test_estimator_cannot_be_driven_into_an_exception():

@@ -35,7 +35,13 @@ class NumericExercise:
         return math.isclose(a, b, rel_tol=self.rel_tol, abs_tol=1e-9)
 
     def check(self, value) -> Feedback:
-        """Feedback on ``value``: correct, a named mistake with a hint, or a first hint."""
+        """Feedback on ``value``: correct, a named mistake with a hint, or a first hint.
+
+        Plain numbers, NumPy scalars and one-element tensors are read as numbers; anything
+        else is explained, never raised on.
+        """
+        if not isinstance(value, (bool, int, float, str)) and as_number(value) is not None:
+            value = as_number(value)  # a NumPy scalar or a one-element tensor
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             return Feedback(False, f"Expected a number ({self.unit}), got {value!r}. Replace the ... with your answer.")
         if self._close(value, self.answer):
@@ -82,3 +88,22 @@ def as_ints(values) -> list[int] | None:
         return [operator.index(v) for v in items]  # ints and NumPy ints; not floats
     except TypeError:
         return None
+
+
+def describe_error(err: BaseException) -> str:
+    """What a learner's exception says, in a sentence; a stub's NotImplementedError is named as such."""
+    if isinstance(err, NotImplementedError):
+        return "NotImplementedError: it is still the stub. Write its body, run that cell, then this check again."
+    return f"{type(err).__name__}: {str(err).rstrip('.')}."
+
+
+def raised(call: str, err: BaseException, hint: str) -> Feedback:
+    """Feedback for a learner's function that raised when the checker called it as ``call``."""
+    return Feedback(False, f"{call} raised {describe_error(err)} Hint: {hint}")
+
+
+def check_parts(*parts) -> Feedback:
+    """One verdict for an exercise with several numeric answers: ``(label, NumericExercise, value)`` each,
+    one line of feedback per part, correct only if every part is."""
+    verdicts = [(label, exercise.check(value)) for label, exercise, value in parts]
+    return Feedback(all(fb.correct for _, fb in verdicts), "\n".join(f"{label}: {fb.message}" for label, fb in verdicts))

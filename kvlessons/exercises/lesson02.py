@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
+import math
+
 from ..memory import SOURCE_EXAMPLE as SOURCE_MODEL
 from ..memory import kv_cache_bytes, max_sequences
-from ..shape import ModelShape
-from .core import Feedback, NumericExercise
+from .core import Feedback, NumericExercise, check_parts
 
 
 __all__ = ["KV_32K", "USERS_64K", "SHRINK_64K", "check_32k_estimate", "check_64k_plan"]
@@ -14,30 +16,82 @@ __all__ = ["KV_32K", "USERS_64K", "SHRINK_64K", "check_32k_estimate", "check_64k
 GIB = 2**30
 
 
+# The usual slips on 02.1, each as the factor it puts on the right answer in GiB (for a unit
+# slip: what the bytes were divided by instead of 2^30). A group holds slips that exclude
+# each other (a number is in one unit; a value has one size).
+_32K_SLIPS = [
+    ("unit", 10**9, "it is in GB (10^9 bytes), not GiB: divide the bytes by 2^30 = 1024^3, not 10^9"),
+    ("unit", 2**20, "it is in MiB: divide by 1024 once more for GiB"),
+    ("unit", 1, "it is in bytes: divide by 2^30 = 1,073,741,824 for GiB"),
+    ("kv", 1 / 2, "only keys are counted: each token stores a key and a value (the leading 2)"),
+    ("heads", 4, "the 32 query heads are counted: only the 8 KV heads are cached (GQA), 4x fewer"),
+    ("batch", 1 / 4, "it is one sequence: the question has 4 of them"),
+    ("size", 2, "4 bytes per value are counted: fp16 is 2 bytes per value"),
+    ("size", 8, "bits are counted, not bytes: fp16 is 2 bytes per value (16 bits)"),
+    ("layers", 1 / 32, "it is one layer's share: multiply by the 32 layers"),
+    ("tokens", 32000 / 32768, "32,000 tokens are counted: 32K here is 32,768 = 2^15 tokens"),
+]
+
+
+def _32k_mistakes(answer_bytes: int, rel_tol: float) -> list[tuple[float, str]]:
+    """Every answer one slip or two slips together give, in GiB, with what went wrong in words.
+
+    Two slips can cancel (32 query heads and one sequence give the right 16 GiB: the
+    checker cannot see those) or land where another slip does (query heads and only keys
+    give 2x, as fp32 does). A number reached in several ways names every way, so no
+    diagnosis hides another; the returned values lie more than twice the tolerance
+    apart, so no answer is near two of them.
+    """
+    ways: list[tuple[float, list[tuple[str, ...]]]] = []
+
+    def add(slips):
+        unit = next((factor for group, factor, _ in slips if group == "unit"), GIB)  # what the bytes are divided by
+        value = answer_bytes / unit * math.prod(factor for group, factor, _ in slips if group != "unit")
+        if math.isclose(value, answer_bytes / GIB, rel_tol=2 * rel_tol):
+            return  # the slips cancel: right by accident
+        says = tuple(s[2] for s in slips)
+        for known, explanations in ways:
+            if math.isclose(value, known, rel_tol=2 * rel_tol):
+                explanations.append(says)
+                return
+        ways.append((value, [says]))
+
+    for slip in _32K_SLIPS:
+        add([slip])
+    for a, b in itertools.combinations(_32K_SLIPS, 2):
+        if a[0] != b[0]:
+            add([a, b])
+    return [(value, _describe(explanations)) for value, explanations in ways]
+
+
+def _describe(explanations: list[tuple[str, ...]]) -> str:
+    """One explanation as a sentence; several as the list of ways to reach the number."""
+    def one(says):
+        return says[0] if len(says) == 1 else f"two slips at once: {says[0]}. And {says[1]}"
+
+    if len(explanations) == 1:
+        text = one(explanations[0])
+        return text[0].upper() + text[1:] + "."
+    ways = " ".join(f"({i}) {one(says)}." for i, says in enumerate(explanations, 1))
+    return f"{len(explanations)} ways to get this number, check each: {ways}"
+
+
 def _kv_32k_exercise() -> NumericExercise:
     answer = kv_cache_bytes(SOURCE_MODEL, 32768, batch=4, dtype="fp16")
-    mha = ModelShape(layers=32, q_heads=32, kv_heads=32, head_dim=128)
+    rel_tol = 0.005
     return NumericExercise(
         name="kv_32k",
         question="32 layers, 32 query / 8 KV heads, head_dim 128, fp16: the cache for 4 sequences of 32,768 tokens, in GiB?",
         answer=answer / GIB,
         unit="GiB",
         explanation="2 x 32 x 8 x 128 x 2 B = 128 KiB per token; x 32,768 tokens = 4 GiB per sequence; x 4 = 16 GiB.",
-        mistakes=[
-            (answer / 10**9, "That is GB (10^9 bytes). The question asks for GiB: divide by 1024^3 = 2^30, not 10^9."),
-            (answer / 2 / GIB, "Half the answer: did you count only keys? Each token stores a key and a value (the leading 2)."),
-            (kv_cache_bytes(mha, 32768, 4, "fp16") / GIB,
-             "Four times too much: you used the 32 query heads. Only the 8 KV heads are cached (GQA)."),
-            (answer / 4 / GIB, "That is one sequence. The question has 4 of them."),
-            (kv_cache_bytes(SOURCE_MODEL, 32768, 4, "fp32") / GIB, "Twice too much: fp16 is 2 bytes per value, not 4."),
-            (answer * 8 / GIB, "Eight times too much: that counts bits. Bytes per value for fp16 is 2."),
-            (answer / 32 / GIB, "That is one layer's share. Multiply by the 32 layers."),
-        ],
+        mistakes=_32k_mistakes(answer, rel_tol),
         hints=[
             "Start from the bytes per token: 2 (K and V) x layers x KV heads x head_dim x bytes per value.",
             "Per token that is 2 x 32 x 8 x 128 x 2 = 131,072 bytes = 128 KiB. Now multiply by tokens and sequences.",
             "128 KiB x 32,768 tokens = 4 GiB per sequence; four sequences: 16 GiB (divide bytes by 1024^3 for GiB).",
         ],
+        rel_tol=rel_tol,
     )
 
 
@@ -98,6 +152,4 @@ SHRINK_64K = _shrink_64k_exercise()
 
 def check_64k_plan(users_at_64k, shrink_factor) -> Feedback:
     """Exercise 02.2 (numeric part): users that fit at 64K, and the shrink needed to keep 8."""
-    first, second = USERS_64K.check(users_at_64k), SHRINK_64K.check(shrink_factor)
-    message = f"Users at 64K: {first.message}\nShrink factor: {second.message}"
-    return Feedback(first.correct and second.correct, message)
+    return check_parts(("Users at 64K", USERS_64K, users_at_64k), ("Shrink factor", SHRINK_64K, shrink_factor))

@@ -48,37 +48,95 @@ MASK_HINTS = [
 ]
 
 
+# A float mask is additive (SDPA adds it to the scores): 0 where a key may be seen, and -inf, or a
+# number so negative that softmax gives it no weight (finfo.min, -1e9), where it may not.
+_HIDDEN_BELOW = -1e4
+
+
+def _read_mask(got):
+    """(bool mask with True = may attend, the convention it came in): 'bool', 'additive', or 'float01'.
+
+    None for a float mask that is neither additive nor 0/1 (it cannot be read as a mask).
+    """
+    import torch
+
+    if not torch.is_floating_point(got):
+        return got.bool(), "bool"  # bool, or 0/1 integers
+    if bool(((got == 0) | (got <= _HIDDEN_BELOW)).all()):
+        return got == 0, "additive"
+    if bool(((got == 0) | (got == 1)).all()):
+        return got == 1, "float01"
+    return None, "float"
+
+
 def check_mask(fn) -> Feedback:
-    """Exercise 07.2: ``fn(q_len, kv_len)`` must return the bool mask (q_len, kv_len), True = may attend."""
+    """Exercise 07.2: ``fn(q_len, kv_len)`` must return the bool mask (q_len, kv_len), True = may attend.
+
+    An additive float mask (0 = attend, -inf = hidden) with the right pattern is accepted,
+    and the convention explained; True-means-hidden (nn.MultiheadAttention's convention)
+    is recognised as a flip, not as wrong logic; a float mask of 1.0 / 0.0 is refused,
+    since attention would add it to the scores and hide nothing.
+    """
     import torch
 
     from ..attention import causal_mask
 
+    conventions = set()
     for q_len, kv_len in [(1, 6), (3, 7), (4, 4), (2, 9)]:
         try:
             got = fn(q_len, kv_len)
         except Exception as err:  # noqa: BLE001
             return Feedback(False, f"fn({q_len}, {kv_len}) raised {type(err).__name__}: {err}. Hint: {MASK_HINTS[0]}")
-        got = torch.as_tensor(got)
+        try:
+            got = torch.as_tensor(got)
+        except Exception:  # noqa: BLE001 - None, a string, ...
+            return Feedback(False, f"fn({q_len}, {kv_len}) returned {type(got).__name__}, not a tensor. "
+                                   f"Return a bool tensor of shape ({q_len}, {kv_len}). Hint: {MASK_HINTS[0]}")
         want = causal_mask(q_len, kv_len)
         if tuple(got.shape) != (q_len, kv_len):
             if tuple(got.shape) == (kv_len, q_len):
                 return Feedback(False, f"The mask is transposed: shape {tuple(got.shape)}; rows are queries, columns keys: ({q_len}, {kv_len}).")
             return Feedback(False, f"fn({q_len}, {kv_len}) has shape {tuple(got.shape)}, expected ({q_len}, {kv_len}).")
-        got = got.bool()
+        got, convention = _read_mask(got)
+        if got is None:
+            return Feedback(False, f"fn({q_len}, {kv_len}) returned floats other than 0, 1 and large negatives, so it "
+                                   f"is no mask. Return a bool tensor, True where query i may attend to key j.")
+        conventions.add(convention)
         if torch.equal(got, want):
             continue
-        if torch.equal(got, causal_mask(q_len, kv_len, align="top_left")):
+        read_as = (" (read as an additive mask: 0 = may attend, -inf = hidden)" if convention == "additive" else "")
+        if convention == "additive":
+            flipped = "the 0s and -infs are swapped: -inf goes on the keys a query may not see (its future), 0 on the rest"
+        else:
+            flipped = ("True marks the keys a query may NOT see. That is nn.MultiheadAttention's convention (attn_mask "
+                       "and key_padding_mask: True = masked out); scaled_dot_product_attention and this exercise use "
+                       "the opposite, True = may attend, so return ~mask")
+        if torch.equal(got, ~want):
+            return Feedback(False, f"Your mask is inverted but otherwise right: {flipped}.")
+        top_left = causal_mask(q_len, kv_len, align="top_left")
+        if torch.equal(got, ~top_left) and not torch.equal(top_left, want):
+            return Feedback(False, f"Two things at once. First, {flipped}. Second, the mask is aligned to the top left "
+                                   f"like is_causal=True: query 0 sits at position {kv_len - q_len}, not 0, so the "
+                                   f"mask must be aligned to the bottom right. Hint: {MASK_HINTS[1]}")
+        if torch.equal(got, top_left):
             queries = f"{q_len} quer{'y' if q_len == 1 else 'ies'}"
-            return Feedback(False, f"Your mask is aligned to the top left (like is_causal=True): with {queries} over "
+            return Feedback(False, f"Your mask{read_as} is aligned to the top left (like is_causal=True): with {queries} over "
                                    f"{kv_len} keys, query 0 sees only key 0, but it sits at position {kv_len - q_len} and "
                                    f"may see keys 0..{kv_len - q_len}. Hint: {MASK_HINTS[1]}")
         future = got & ~want
         if future.any():
             i, j = [int(v) for v in future.nonzero()[0]]
             pos = kv_len - q_len + i
-            return Feedback(False, f"Your mask lets token {pos} see token {j}, which comes after it "
+            return Feedback(False, f"Your mask{read_as} lets token {pos} see token {j}, which comes after it "
                                    f"(query {i} of {q_len} over {kv_len} keys). Hint: {MASK_HINTS[1]}")
         i, j = [int(v) for v in (want & ~got).nonzero()[0]]
-        return Feedback(False, f"Your mask hides token {j} from token {kv_len - q_len + i}, which may see it. Hint: {MASK_HINTS[0]}")
+        return Feedback(False, f"Your mask{read_as} hides token {j} from token {kv_len - q_len + i}, which may see it. Hint: {MASK_HINTS[0]}")
+    if "float01" in conventions:
+        return Feedback(False, "The pattern is right, but the mask holds the floats 1.0 and 0.0. A float mask is "
+                               "added to the attention scores (scaled_dot_product_attention's attn_mask), so ones and "
+                               "zeros would hide nothing. Return bool (dtype=torch.bool, or .bool()).")
+    if "additive" in conventions:
+        return Feedback(True, "Correct, as an additive mask: 0 where a query may attend, -inf (or a large negative) "
+                              "where it may not, bottom-right aligned. scaled_dot_product_attention adds a float "
+                              "attn_mask to the scores, so this works as it is; the bool form asked for is mask == 0.")
     return Feedback(True, "Correct: bottom-right aligned, every query sees exactly the keys at or before it.")

@@ -202,7 +202,7 @@ class Estimate:
         bits = storage_format(self.dtype).bits_per_value
         per_value = f"{float(bits / 8):g} B"
         return (
-            f"2 · {self.layers} layers · {self.kv_heads} KV heads · {self.head_dim} head dim · "
+            f"2 · {self.layers} layers · {self.kv_heads} KV head{'s' if self.kv_heads != 1 else ''} · {self.head_dim} head dim · "
             f"{self.seq_len:,} tokens · {self.batch} seq · {per_value} = {self.total:,} B = {format_bytes(self.total)}"
         )
 

@@ -53,7 +53,9 @@ PRESETS: dict[str, Preset] = {
                 "head_dim 256 is not hidden/heads (3584/16 = 224); even layers use a 4,096-token window",
                 windows=alternating_windows(42, 4096)),
         _preset("GPT-2 small", 12, 12, 12, 64, 768, 124_439_808, 1_024,
-                "openai-community/gpt2 config.json; Radford et al. 2019", "MHA, stored in fp32 by default"),
+                "openai-community/gpt2 config.json; Radford et al. 2019",
+                "MHA; 36 KiB per token in bf16 (the precision the tables count in), "
+                "72 KiB per token in fp32, which GPT-2 runs in by default"),
         _preset("SmolLM2-135M", 30, 9, 3, 64, 576, 134_515_008, 8_192,
                 "HuggingFaceTB/SmolLM2-135M config.json; the capstone's model", "GQA, 3 query heads per KV head"),
         _preset("DeepSeek-V3", 61, 128, 128, 128, 7168, 671_026_419_200, 131_072,
