@@ -43,3 +43,13 @@ def test_opens_with_goals_and_setup(path):
                       and "colab-setup" not in c["metadata"].get("tags", []))
     src = "".join(first_code["source"])
     assert "manual_seed" in src and "kvlessons.device()" in src
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_ends_with_its_references_as_links(path):
+    """Every lesson ends with a References section whose entries are links."""
+    nb = json.loads(path.read_text())
+    last = "".join(nb["cells"][-1]["source"])
+    assert last.startswith("## References"), path.name
+    entries = [line for line in last.splitlines() if line.startswith("- ")]
+    assert entries and all(re.search(r"\]\(https://[^)]+\)", line) for line in entries), path.name

@@ -45,3 +45,21 @@ def test_each_lesson_names_where_its_code_lives():
         assert names, f"lesson {number} names no module"
         module = importlib.import_module(f"kvlessons.{names[0]}")
         assert number in (module.__doc__ or ""), f"kvlessons.{names[0]}'s docstring does not name lesson {number}"
+
+
+def test_the_instructors_exercise_table_lists_every_checker_the_lessons_call():
+    """docs/INSTRUCTORS.md's exercise table names exactly the checkers the lessons call, and each exists;
+    every lesson has at least one checked exercise."""
+    from kvlessons import exercises
+
+    guide = (ROOT / "docs" / "INSTRUCTORS.md").read_text()
+    listed = set(re.findall(r"\| `(check_\w+)` \|", guide))
+    called, lessons_with = set(), set()
+    for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        found = set(re.findall(r"exercises\.(check_\w+)\(", nb.read_text()))
+        called |= found
+        if found:
+            lessons_with.add(nb.name[:2])
+    assert listed == called
+    assert all(hasattr(exercises, name) for name in listed)
+    assert lessons_with == {nb.name[:2] for nb in (ROOT / "notebooks").glob("*.ipynb")}
