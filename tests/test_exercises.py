@@ -348,3 +348,33 @@ def test_mask_checker_never_raises_on_odd_returns(fn, words):
     """Floats that are no mask, and values that are no tensor, get words, not an exception."""
     fb = check_mask(fn)
     assert not fb.correct and words in fb.message, fb.message
+
+
+def test_mask_checker_judges_every_shape_before_calling_a_mask_inverted():
+    """An all-False mask, or a diagonal offset with the wrong sign, is inverted for one query only: the checker
+    must not advise ~mask (which would be wrong too) but name what is hidden."""
+    for fn in (lambda q, k: torch.zeros(q, k, dtype=torch.bool), lambda q, k: torch.ones(q, k, dtype=torch.bool).tril(q - k)):
+        fb = check_mask(fn)
+        assert not fb.correct and "inverted" not in fb.message and "hides token" in fb.message, fb.message
+
+
+def test_mask_checker_refuses_an_integer_mask():
+    """A 0/1 integer mask with the right pattern is refused (SDPA rejects it), naming the dtype."""
+    fb = check_mask(lambda q, k: torch.ones(q, k, dtype=torch.int).tril(k - q))
+    assert not fb.correct and "integers" in fb.message and ".bool()" in fb.message
+
+
+def test_feedback_is_false_when_wrong():
+    """`assert exercises.check_...(...)` must fail on a wrong answer: Feedback is truthy only when correct."""
+    from kvlessons import exercises
+
+    assert exercises.check_32k_estimate(16) and not exercises.check_32k_estimate(17)
+
+
+def test_fp4_block_takes_bytes_and_has_graded_hints():
+    """The packed bytes may be a bytes object; FP4_BLOCK_HINTS step from the method to the code."""
+    from kvlessons import exercises
+
+    scale, codes, packed = _block_answer()
+    assert check_fp4_block(scale, codes, bytes(packed)).correct
+    assert len(exercises.FP4_BLOCK_HINTS) == 3 and "packed[i]" in exercises.FP4_BLOCK_HINTS[-1]

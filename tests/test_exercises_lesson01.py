@@ -409,3 +409,15 @@ def test_my_cache_hints_are_tiered_and_end_with_code():
     assert "tril(diagonal" not in exercises.my_cache_hint(3, 1)
     with pytest.raises(ValueError, match="todo"):
         exercises.my_cache_hint(5)
+
+
+def test_an_integer_mask_is_named_as_the_mask_dtype():
+    """A 0/1 integer mask with the right pattern: the checker names the mask's dtype (TODO 3), not the update."""
+
+    class IntMask(ModelAnswer):
+        def positions_and_mask(self, t):
+            positions, mask = super().positions_and_mask(t)
+            return positions, mask.int()
+
+    fb = exercises.check_my_cache(IntMask)
+    assert not fb.correct and "integers" in fb.message and "torch.bool" in fb.message, fb.message

@@ -118,3 +118,11 @@ def test_sharing_hints_are_tiered():
     for name, answer in (("smollm_cla3", "60 MiB"), ("smollm_yoco", "17.25 MiB")):
         hints = [exercises.hint(name, level) for level in (1, 2, 3)]
         assert len(set(hints)) == 3 and answer in hints[-1] and answer not in hints[0]
+
+
+def test_180_mib_names_both_slips_that_give_it():
+    """180 MiB for CLA-3 is the unshared model or the 9 query heads counted: the checker names both."""
+    from kvlessons import exercises
+
+    fb = exercises.check_sharing_bytes(180, 17.25)
+    assert not fb.correct and "without sharing" in fb.message and "query heads" in fb.message

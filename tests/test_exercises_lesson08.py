@@ -85,3 +85,16 @@ def test_decode_bound_odd_values_are_feedback(bad):
 def test_decode_bound_bad_measurements_are_feedback():
     fb = exercises.check_decode_bound(ANSWER, bandwidth=None, weight_bytes=RUN["weight_bytes"], cache_bytes=0)
     assert not fb.correct and "bandwidth=bandwidth" in fb.message
+
+
+def test_decode_bound_takes_a_rounded_answer_and_says_when_rounding_is_ambiguous():
+    """19.4 for 19.44 ms is right (the notebook prints one decimal); 44 for 43.89 ms, nearer the
+    'cache counted twice' slip, is neither accepted nor blamed on the slip: the learner is asked for decimals."""
+    from kvlessons import exercises
+
+    w, c, b = 538_060_032, 49 * 46_080, 27_795_506_970
+    assert exercises.check_decode_bound(19.4, bandwidth=b, weight_bytes=w, cache_bytes=c).correct
+    fb = exercises.check_decode_bound(44, bandwidth=12.3e9, weight_bytes=538_000_000, cache_bytes=46_080 * 40)
+    assert not fb.correct and "two decimals" in fb.message and "counted twice" not in fb.message
+    left_out = exercises.check_decode_bound(1e3 * w / b, bandwidth=b, weight_bytes=w, cache_bytes=c)
+    assert not left_out.correct and "left out the cache" in left_out.message

@@ -17,6 +17,9 @@ class Feedback:
     def __repr__(self) -> str:
         return self.message
 
+    def __bool__(self) -> bool:
+        return self.correct  # so `assert exercises.check_...(...)` fails on a wrong answer
+
 
 @dataclass
 class NumericExercise:
@@ -43,7 +46,7 @@ class NumericExercise:
         if not isinstance(value, (bool, int, float, str)) and as_number(value) is not None:
             value = as_number(value)  # a NumPy scalar or a one-element tensor
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            return Feedback(False, f"Expected a number ({self.unit}), got {value!r}. Replace the ... with your answer.")
+            return Feedback(False, f"Expected a number ({self.unit}), got {value!r}. Replace the None (or ...) with your answer.")
         if self._close(value, self.answer):
             return Feedback(True, f"Correct: {self.explanation}")
         for wrong, diagnosis in self.mistakes:
@@ -78,9 +81,11 @@ def as_number(value) -> float | None:
 
 
 def as_ints(values) -> list[int] | None:
-    """``values`` (a list, tuple, NumPy array or tensor of integers) as a list of ints, else None."""
-    if values is None or isinstance(values, (str, bytes)):
+    """``values`` (a list, tuple, bytes, NumPy array or tensor of integers) as a list of ints, else None."""
+    if values is None or isinstance(values, str):
         return None
+    if isinstance(values, (bytes, bytearray)):
+        return list(values)
     try:
         items = as_list(values)
         if any(isinstance(v, bool) for v in items):  # True is no code

@@ -344,7 +344,11 @@ def _allowed(mask, t, s):
         if mask.is_floating_point() and set(mask.unique().tolist()) <= {0.0, 1.0}:
             return ("the mask is a float tensor of 0s and 1s. A float mask is added to the scores (0 to keep, -inf "
                     "to hide), so 1s hide nothing. Return a bool mask, True where a query may look.")
-        mask = mask > -1e4 if mask.is_floating_point() else mask.bool()
+        if not mask.is_floating_point():
+            return ("the mask holds integers (dtype " + str(mask.dtype).replace("torch.", "") + "). Attention takes a "
+                    "bool mask (True = may look) or a float one it adds to the scores; integers would be added, "
+                    "hiding nothing. Build it with dtype=torch.bool, or call .bool() on it.")
+        mask = mask > -1e4
     if tuple(mask.shape) != (t, s):
         if tuple(mask.shape) == (t, t) and s > t:
             return (f"the mask is ({t}, {t}): it covers only the {t} new keys, but attention runs over all {s} keys, "

@@ -118,8 +118,9 @@ def _smollm_exercises() -> tuple[NumericExercise, NumericExercise]:
         unit="MiB",
         explanation="30 / 3 = 10 owning layers x 2 x 3 x 64 x 2 B = 7.5 KiB per token; x 8,192 tokens = 60 MiB (180 / 3).",
         mistakes=[
-            (base, "That is the model without sharing: all 30 layers store. With CLA-3 only the first layer of each "
-                   "group of 3 does."),
+            (base, "That is 3x too much, and two slips give it: the model without sharing (all 30 layers store; with "
+                   "CLA-3 only the first layer of each group of 3 does), or the 9 query heads counted instead of the "
+                   "3 KV heads (9 / 3 happens to equal the factor 3). Check both."),
             (base / 2, "That is CLA-2 (15 owners). CLA-3 groups 3 layers: 10 owners."),
             (base * 3, "The ratio is inverted: sharing divides the cache by 3, it does not multiply it."),
             (base * 2 / 3, "You counted the layers that read a cache (20), not the ones that store it (10)."),

@@ -8,7 +8,7 @@ from .core import Feedback, NumericExercise, as_ints, as_number
 
 
 __all__ = [
-    "FP4_BLOCK", "FP4_BLOCK_SCALE", "FP4_BLOCK_CODES", "FP4_BLOCK_PACKED", "check_fp4_block",
+    "FP4_BLOCK", "FP4_BLOCK_HINTS", "FP4_BLOCK_SCALE", "FP4_BLOCK_CODES", "FP4_BLOCK_PACKED", "check_fp4_block",
     "FP4_CACHE_BYTES", "check_fp4_cache_bytes",
 ]
 
@@ -31,6 +31,17 @@ FP4_BLOCK_PACKED = (79, 32, 107, 96, 41, 228, 36, 108)
 
 def _block_answer():
     return FP4_BLOCK_SCALE, list(FP4_BLOCK_CODES), list(FP4_BLOCK_PACKED)
+
+
+FP4_BLOCK_HINTS = [
+    "Step 1: the block's scale maps its largest magnitude to E2M1's largest value, 6. Step 2: divide each value "
+    "by the scale and round to the nearest of 0, 0.5, 1, 1.5, 2, 3, 4, 6; the code is that value's index, plus 8 "
+    "if the value is negative. Step 3: two codes per byte, element 0 in the low 4 bits.",
+    "The largest magnitude is |-3.0| = 3.0, so the scale is 3.0 / 6 = 0.5 (exact in E4M3). A value exactly halfway "
+    "between two grid points goes to the even index (mantissa bit 0): 2.5 -> 2 (index 4), 1.25 -> 1 (index 2).",
+    "In code: mag = abs(x) / scale; index = the nearest grid index, ties to the even one; code = index | (8 if x < 0 "
+    "else 0); packed[i] = codes[2*i] | codes[2*i + 1] << 4.",
+]
 
 
 def check_fp4_block(scale, codes, packed) -> Feedback:
@@ -78,7 +89,8 @@ def check_fp4_block(scale, codes, packed) -> Feedback:
         if got_mag == round(abs(x)):
             return Feedback(False, f"Step 2, code {i}: {abs(x):g} rounded to the nearest integer is not the nearest E2M1 value; "
                             f"the grid is 0, 0.5, 1, 1.5, 2, 3, 4, 6, so the nearest is {want_mag:g}.")
-        return Feedback(False, f"Step 2, code {i}: x/scale = {x:g} rounds to {want_mag:g}, which is code {want}, not {got}.")
+        signed = -want_mag if want & 8 else want_mag
+        return Feedback(False, f"Step 2, code {i}: x/scale = {x:g} rounds to {signed:g}, which is code {want}, not {got}.")
     packed = as_ints(packed)
     if packed is None:
         return Feedback(False, "Steps 1 and 2 are right. Step 3: give the packed bytes as a list of 8 integers, "
@@ -181,7 +193,7 @@ def check_fp4_cache_bytes(cache_bytes) -> Feedback:
     value = as_number(cache_bytes)
     if value is None or not math.isfinite(value):
         return Feedback(False, f"Expected a number of bytes (an integer), got {cache_bytes!r}. "
-                               f"Replace the ... with your answer. Hint: {ex.hints[0]}")
+                               f"Replace the None (or ...) with your answer. Hint: {ex.hints[0]}")
     shown = f"{value:,.0f} B" if value == int(value) else f"{value:,} B"
     if value == ex.answer:
         return Feedback(True, f"Correct: {ex.explanation}")

@@ -60,8 +60,10 @@ def _read_mask(got):
     """
     import torch
 
+    if got.dtype == torch.bool:
+        return got, "bool"
     if not torch.is_floating_point(got):
-        return got.bool(), "bool"  # bool, or 0/1 integers
+        return got.bool(), "int"  # attention would reject (SDPA) or add (a hand-written one) integers
     if bool(((got == 0) | (got <= _HIDDEN_BELOW)).all()):
         return got == 0, "additive"
     if bool(((got == 0) | (got == 1)).all()):
@@ -81,7 +83,7 @@ def check_mask(fn) -> Feedback:
 
     from ..attention import causal_mask
 
-    conventions = set()
+    cases = []  # (q_len, kv_len, the mask read as bool, its convention), for every shape tried
     for q_len, kv_len in [(1, 6), (3, 7), (4, 4), (2, 9)]:
         try:
             got = fn(q_len, kv_len)
@@ -92,7 +94,6 @@ def check_mask(fn) -> Feedback:
         except Exception:  # noqa: BLE001 - None, a string, ...
             return Feedback(False, f"fn({q_len}, {kv_len}) returned {type(got).__name__}, not a tensor. "
                                    f"Return a bool tensor of shape ({q_len}, {kv_len}). Hint: {MASK_HINTS[0]}")
-        want = causal_mask(q_len, kv_len)
         if tuple(got.shape) != (q_len, kv_len):
             if tuple(got.shape) == (kv_len, q_len):
                 return Feedback(False, f"The mask is transposed: shape {tuple(got.shape)}; rows are queries, columns keys: ({q_len}, {kv_len}).")
@@ -101,36 +102,15 @@ def check_mask(fn) -> Feedback:
         if got is None:
             return Feedback(False, f"fn({q_len}, {kv_len}) returned floats other than 0, 1 and large negatives, so it "
                                    f"is no mask. Return a bool tensor, True where query i may attend to key j.")
-        conventions.add(convention)
-        if torch.equal(got, want):
-            continue
-        read_as = (" (read as an additive mask: 0 = may attend, -inf = hidden)" if convention == "additive" else "")
-        if convention == "additive":
-            flipped = "the 0s and -infs are swapped: -inf goes on the keys a query may not see (its future), 0 on the rest"
-        else:
-            flipped = ("True marks the keys a query may NOT see. That is nn.MultiheadAttention's convention (attn_mask "
-                       "and key_padding_mask: True = masked out); scaled_dot_product_attention and this exercise use "
-                       "the opposite, True = may attend, so return ~mask")
-        if torch.equal(got, ~want):
-            return Feedback(False, f"Your mask is inverted but otherwise right: {flipped}.")
-        top_left = causal_mask(q_len, kv_len, align="top_left")
-        if torch.equal(got, ~top_left) and not torch.equal(top_left, want):
-            return Feedback(False, f"Two things at once. First, {flipped}. Second, the mask is aligned to the top left "
-                                   f"like is_causal=True: query 0 sits at position {kv_len - q_len}, not 0, so the "
-                                   f"mask must be aligned to the bottom right. Hint: {MASK_HINTS[1]}")
-        if torch.equal(got, top_left):
-            queries = f"{q_len} quer{'y' if q_len == 1 else 'ies'}"
-            return Feedback(False, f"Your mask{read_as} is aligned to the top left (like is_causal=True): with {queries} over "
-                                   f"{kv_len} keys, query 0 sees only key 0, but it sits at position {kv_len - q_len} and "
-                                   f"may see keys 0..{kv_len - q_len}. Hint: {MASK_HINTS[1]}")
-        future = got & ~want
-        if future.any():
-            i, j = [int(v) for v in future.nonzero()[0]]
-            pos = kv_len - q_len + i
-            return Feedback(False, f"Your mask{read_as} lets token {pos} see token {j}, which comes after it "
-                                   f"(query {i} of {q_len} over {kv_len} keys). Hint: {MASK_HINTS[1]}")
-        i, j = [int(v) for v in (want & ~got).nonzero()[0]]
-        return Feedback(False, f"Your mask{read_as} hides token {j} from token {kv_len - q_len + i}, which may see it. Hint: {MASK_HINTS[0]}")
+        cases.append((q_len, kv_len, got, convention))
+    conventions = {c for *_, c in cases}
+    wants = [causal_mask(q, k) for q, k, *_ in cases]
+    if not all(torch.equal(got, want) for (_, _, got, _), want in zip(cases, wants)):
+        return _diagnose_mask(cases, wants)
+    if "int" in conventions:
+        return Feedback(False, "The pattern is right, but the mask holds integers. scaled_dot_product_attention takes a "
+                               "bool mask (True = may attend) or a float one that it adds to the scores; integers are "
+                               "refused there, and hand-written attention would add them. Return bool (.bool()).")
     if "float01" in conventions:
         return Feedback(False, "The pattern is right, but the mask holds the floats 1.0 and 0.0. A float mask is "
                                "added to the attention scores (scaled_dot_product_attention's attn_mask), so ones and "
@@ -140,3 +120,44 @@ def check_mask(fn) -> Feedback:
                               "where it may not, bottom-right aligned. scaled_dot_product_attention adds a float "
                               "attn_mask to the scores, so this works as it is; the bool form asked for is mask == 0.")
     return Feedback(True, "Correct: bottom-right aligned, every query sees exactly the keys at or before it.")
+
+
+def _diagnose_mask(cases, wants) -> Feedback:
+    """What is wrong with a mask that differs from the bottom-right one in at least one of ``cases``."""
+    import torch
+
+    from ..attention import causal_mask
+
+    convention = "additive" if any(c == "additive" for *_, c in cases) else "bool"
+    if convention == "additive":
+        flipped = "the 0s and -infs are swapped: -inf goes on the keys a query may not see (its future), 0 on the rest"
+    else:
+        flipped = ("True marks the keys a query may NOT see. That is nn.MultiheadAttention's convention (attn_mask "
+                   "and key_padding_mask: True = masked out); scaled_dot_product_attention and this exercise use "
+                   "the opposite, True = may attend, so return ~mask")
+    read_as = " (read as an additive mask: 0 = may attend, -inf = hidden)" if convention == "additive" else ""
+    tops = [causal_mask(q, k, align="top_left") for q, k, *_ in cases]
+    if all(torch.equal(got, ~want) for (_, _, got, _), want in zip(cases, wants)):
+        return Feedback(False, f"Your mask is inverted but otherwise right: {flipped}.")
+    if all(torch.equal(got, ~top) for (_, _, got, _), top in zip(cases, tops)):
+        q_len, kv_len = cases[0][:2]
+        return Feedback(False, f"Two things at once. First, {flipped}. Second, the mask is aligned to the top left "
+                               f"like is_causal=True: query 0 sits at position {kv_len - q_len}, not 0, so the "
+                               f"mask must be aligned to the bottom right. Hint: {MASK_HINTS[1]}")
+    for (q_len, kv_len, got, _), want, top in zip(cases, wants, tops):
+        if torch.equal(got, want):
+            continue
+        if torch.equal(got, top):
+            queries = f"{q_len} quer{'y' if q_len == 1 else 'ies'}"
+            return Feedback(False, f"Your mask{read_as} is aligned to the top left (like is_causal=True): with {queries} over "
+                                   f"{kv_len} keys, query 0 sees only key 0, but it sits at position {kv_len - q_len} and "
+                                   f"may see keys 0..{kv_len - q_len}. Hint: {MASK_HINTS[1]}")
+        future = got & ~want
+        if future.any():
+            i, j = [int(v) for v in future.nonzero()[0]]
+            return Feedback(False, f"Your mask{read_as} lets token {kv_len - q_len + i} see token {j}, which comes after it "
+                                   f"(query {i} of {q_len} over {kv_len} keys). Hint: {MASK_HINTS[1]}")
+        i, j = [int(v) for v in (want & ~got).nonzero()[0]]
+        return Feedback(False, f"Your mask{read_as} hides token {j} from token {kv_len - q_len + i}, which may see it "
+                               f"(query {i} of {q_len} over {kv_len} keys). Hint: {MASK_HINTS[0]}")
+    raise AssertionError("unreachable: some case differs")  # pragma: no cover

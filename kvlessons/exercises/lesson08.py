@@ -116,6 +116,19 @@ def check_decode_bound(bound_ms, *, bandwidth, weight_bytes, cache_bytes) -> Fee
         hints=DECODE_BOUND_HINTS,
         rel_tol=1e-3,  # tight: leaving out the small cache must not pass for the answer
     )
+    value = as_number(bound_ms)
+    if value is not None and math.isfinite(value):
+        # A learner who rounds (to 0.1 ms, or from the printed GB/s) is right if the answer is the nearest of all
+        # the candidates and within 1%; the slips above sit close to the answer here, so nearest decides.
+        nearest = min([answer] + [wrong for wrong, _ in exercise.mistakes], key=lambda c: abs(c - value))
+        exact_slip = any(math.isclose(value, wrong, rel_tol=1e-4) for wrong, _ in exercise.mistakes)  # computed, not rounded
+        if abs(value - answer) <= 0.01 * answer and not exact_slip:  # an exact slip is diagnosed as such below
+            if nearest == answer:
+                bound_ms = answer
+            else:
+                return Feedback(False, f"{value:g} ms is within rounding of the right answer, and closer to a known "
+                                       f"slip ({nearest:.2f} ms) than to it: give two decimals, computed from the "
+                                       f"variables rather than the printed, rounded numbers.")
     feedback = exercise.check(bound_ms)
     value = as_number(bound_ms)
     if feedback.correct or value is None or not math.isfinite(value) or value <= 0:
