@@ -36,6 +36,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _answers(base: str, token: str, seconds: float = 90) -> bool:
+    """True once the JupyterLab server at ``base`` answers, False if it has not within ``seconds``."""
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
+            return True
+        except OSError:
+            time.sleep(0.5)
+    return False
+
+
 @pytest.fixture
 def lab(tmp_path):
     """A headless JupyterLab on a copy of the lessons (the committed notebooks are never touched)."""
@@ -48,14 +60,7 @@ def lab(tmp_path):
     log = open(tmp_path / "lab.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 90
-    while time.time() < deadline:
-        try:
-            urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
-            break
-        except OSError:
-            time.sleep(0.5)
-    else:
+    if not _answers(base, token):
         proc.terminate()
         pytest.fail("JupyterLab did not start: " + (tmp_path / "lab.log").read_text()[-2000:])
     yield base, token
@@ -116,14 +121,7 @@ def test_make_lab_opens_the_learners_own_copies(tmp_path):
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 90
-        while time.time() < deadline:
-            try:
-                urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
-                break
-            except OSError:
-                time.sleep(0.5)
-        else:
+        if not _answers(base, token):
             pytest.fail("make lab did not start JupyterLab: " + (tmp_path / "lab.log").read_text()[-2000:])
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
