@@ -80,6 +80,16 @@ def as_number(value) -> float | None:
         return None
 
 
+def as_int(value) -> int | None:
+    """``value`` as an int if it is an integer (Python, NumPy, 0-d integer tensor), else None; True is no integer here."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def as_ints(values) -> list[int] | None:
     """``values`` (a list, tuple, bytes, NumPy array or tensor of integers) as a list of ints, else None."""
     if values is None or isinstance(values, str):
@@ -87,12 +97,10 @@ def as_ints(values) -> list[int] | None:
     if isinstance(values, (bytes, bytearray)):
         return list(values)
     try:
-        items = as_list(values)
-        if any(isinstance(v, bool) for v in items):  # True is no code
-            return None
-        return [operator.index(v) for v in items]  # ints and NumPy ints; not floats
+        items = [as_int(v) for v in as_list(values)]  # ints and NumPy ints; not floats, not bools
     except TypeError:
         return None
+    return None if None in items else items
 
 
 def describe_error(err: BaseException) -> str:

@@ -15,6 +15,7 @@ import torch
 
 from .. import scaffold
 from ..generate import expected_kv_work
+from ..memory import measured_bytes
 from .core import Feedback, NumericExercise, as_ints, check_parts
 
 
@@ -553,21 +554,6 @@ def _what(err: BaseException) -> str:
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
-def _held_bytes(cache) -> int:
-    """Bytes of the tensors the cache object holds (its attributes, and lists, tuples, dicts of them)."""
-    seen, total, todo = set(), 0, list(vars(cache).values()) if hasattr(cache, "__dict__") else []
-    while todo:
-        x = todo.pop()
-        if isinstance(x, torch.Tensor):
-            ptr = x.untyped_storage().data_ptr()
-            if ptr not in seen:
-                seen.add(ptr)
-                total += x.untyped_storage().nbytes()
-        elif isinstance(x, (list, tuple)):
-            todo.extend(x)
-        elif isinstance(x, dict):
-            todo.extend(x.values())
-    return total
 
 
 @torch.no_grad()
@@ -681,7 +667,7 @@ def _passed(model, cache_class, run: _Run) -> Feedback:
     lines.append("Greedy decoding with it writes the same 10 tokens as recomputing.")
     per_token = 2 * c.layers * c.kv_heads * c.head_dim * 4
     tokens = 2 * sum(SECOND_PROMPT)
-    if _held_bytes(run.cache) == per_token * tokens:
+    if measured_bytes(run.cache) == per_token * tokens:
         lines.append(f"It holds {per_token * tokens:,} bytes for 2 sequences of {sum(SECOND_PROMPT)} tokens: "
                      f"{per_token} per token = 2 (K and V) x {c.layers} layers x {c.kv_heads} KV heads x "
                      f"{c.head_dim} (head_dim) x 4 bytes (float32).")

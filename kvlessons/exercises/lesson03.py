@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import operator
 from dataclasses import replace
 
 from ..memory import kv_cache_bytes, preset
-from .core import Feedback, NumericExercise, as_number, check_parts, raised
+from .core import Feedback, NumericExercise, as_int, as_number, check_parts, raised
 
 
 __all__ = [
@@ -33,14 +32,6 @@ KV_HEAD_HINTS = [
 KV_HEAD_SHAPES = [(32, 8), (8, 2), (40, 8), (12, 3), (8, 1), (8, 8)]
 
 
-def _as_index(value) -> int | None:
-    """``value`` as an int if it is an integer (Python, NumPy, 0-d integer tensor), else None."""
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
 
 
 def _kv_head_answers() -> dict[tuple[int, int, int], int]:
@@ -85,7 +76,7 @@ def check_kv_head_for(fn) -> Feedback:
                                    f"the group size is the other way round, q_heads // kv_heads = {q // kv}.")
         except Exception as err:  # noqa: BLE001 - a learner's code may raise anything
             return raised(f"kv_head_for({h}, {q}, {kv})", err, KV_HEAD_HINTS[0])
-    indices = {case: _as_index(value) for case, value in got.items()}
+    indices = {case: as_int(value) for case, value in got.items()}
     if any(i is None for i in indices.values()):
         if all(as_number(got[(h, q, kv)]) == h / (q // kv) for h, q, kv in answers):
             return Feedback(False, "You divided with / and got fractions (query head 5 of 8 over 2 KV heads gives 1.25). "
