@@ -36,6 +36,12 @@ def _timed(fn, dev) -> float:
     return _timed_call(fn, dev)[0]
 
 
+def _random_ids(model, batch: int, length: int, seed: int) -> torch.Tensor:
+    """Token ids (batch, length) on the model's device, the same for a given seed on every run."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(model.config.vocab_size, (batch, length), generator=g).to(model.device)
+
+
 @dataclass(frozen=True)
 class DecodeRepeat:
     """One timed repeat of :func:`decode_time`: what it cost, and what it did."""
@@ -60,8 +66,7 @@ def decode_repeats(model, seq_len: int, mode: str, repeats: int = 5, batch: int 
     require_positive_int("seq_len", seq_len)
     require_positive_int("repeats", repeats)
     dev = model.device
-    g = torch.Generator().manual_seed(seq_len)
-    ids = torch.randint(model.config.vocab_size, (batch, seq_len + 1), generator=g).to(dev)
+    ids = _random_ids(model, batch, seq_len + 1, seed=seq_len)
     if mode == "recompute":
         cache = None
         run = lambda: model(ids)  # noqa: E731
@@ -101,8 +106,7 @@ def prefill_time(model, prompt_len: int, repeats: int = 5, batch: int = 1) -> fl
     require_positive_int("prompt_len", prompt_len)
     require_positive_int("repeats", repeats)
     dev = model.device
-    g = torch.Generator().manual_seed(prompt_len)
-    ids = torch.randint(model.config.vocab_size, (batch, prompt_len), generator=g).to(dev)
+    ids = _random_ids(model, batch, prompt_len, seed=prompt_len)
 
     def run():
         model(ids, cache=StaticCache(prompt_len), last_only=True)
@@ -376,8 +380,7 @@ def quantized_decode_cost(model, seq_len: int, fmt: str = "nvfp4", residual: int
     require_positive_int("seq_len", seq_len)
     require_positive_int("new_tokens", new_tokens)
     QuantizedCache(fmt, residual)  # refuse a bad format or residual before timing anything
-    g = torch.Generator().manual_seed(seq_len)
-    ids = torch.randint(model.config.vocab_size, (batch, seq_len + new_tokens), generator=g).to(model.device)
+    ids = _random_ids(model, batch, seq_len + new_tokens, seed=seq_len)
 
     def reading(make_cache):
         def start():
