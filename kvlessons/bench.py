@@ -301,6 +301,72 @@ def smollm2_decode_times(new_tokens: int = 32, repeats: int = 5, device=None) ->
     return {"prompt_len": ids.shape[1], "runs": runs}
 
 
+def smollm2_generate_times(new_tokens: int = 32, repeats: int = 5, dtype=torch.float32, device=None) -> dict:
+    """Whole greedy generations on SmolLM2-135M: kvlessons (fused projections, StaticCache) vs transformers' ``generate``.
+
+    Each side reads the same chat prompt and writes exactly ``new_tokens`` tokens
+    (transformers is held to that count with ``min_new_tokens``), prefill included, in
+    ``dtype``; the two are interleaved over ``repeats`` rounds after a warm-up round.
+    Returns ``{"seconds": {side: [seconds per token, one per repeat]}, "same_tokens": bool,
+    "step_bytes": bytes one kvlessons decode step reads at the last step, "step_seconds":
+    [kvlessons decode-only seconds per step, one per repeat]}``.
+    """
+    from .cache import StaticCache
+    from .generate import generate
+    from .memory import kv_cache_bytes
+    from .model import fuse_projections
+    from .pretrained import chat_ids, load_hf_model, load_smollm2
+
+    require_positive_int("new_tokens", new_tokens)
+    require_positive_int("repeats", repeats)
+    dev = torch.device(device) if device is not None else default_device()
+    ours, tokenizer = load_smollm2(device=dev, dtype=dtype)
+    fuse_projections(ours)
+    peer = load_hf_model(dtype=dtype).to(dev)
+    ids = chat_ids(tokenizer, "Write a short story about a cache.", device=dev)
+    out = {}
+
+    def kvlessons_side():
+        out["ours"] = generate(ours, ids, new_tokens, cache=StaticCache(ids.shape[1] + new_tokens))
+
+    @torch.inference_mode()
+    def transformers_side():
+        out["peer"] = peer.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                    min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)[:, ids.shape[1]:]
+
+    seconds = {"kvlessons generate": [], "transformers generate": []}
+    steps = []
+    for round_ in range(repeats + 1):
+        for name, fn in (("kvlessons generate", kvlessons_side), ("transformers generate", transformers_side)):
+            s = _timed(fn, dev)
+            if round_:
+                seconds[name].append(s / new_tokens)
+        if round_:
+            steps.append(statistics.median(out["ours"].step_times[1:]))
+    weights = sum(p.numel() * p.element_size() for p in ours.parameters())
+    cache = kv_cache_bytes(ours.shape, ids.shape[1] + new_tokens - 1, 1, {torch.float32: "fp32"}.get(dtype, "bf16"))
+    return {"seconds": seconds, "same_tokens": torch.equal(out["ours"].new_tokens.cpu(), out["peer"].cpu()),
+            "step_bytes": weights + cache, "step_seconds": steps, "prompt_len": ids.shape[1]}
+
+
+def format_generate_comparison(result: dict, bandwidth: float) -> str:
+    """:func:`smollm2_generate_times` as text: both sides' ms per token, their ratio, and the fraction of the
+    read-bandwidth roofline kvlessons' decode steps reach (bytes a step reads / ``bandwidth`` / its measured time)."""
+    lines = [f"{'':<26}{'ms/token median':>16}{'quartiles':>14}"]
+    for name, values in result["seconds"].items():
+        mid, q1, q3 = median_and_quartiles(values)
+        lines.append(f"{name:<26}{mid * 1e3:>16.1f}{f'{q1 * 1e3:.1f}-{q3 * 1e3:.1f}':>14}")
+    ours, peer = result["seconds"]["kvlessons generate"], result["seconds"]["transformers generate"]
+    lines.append(ratio_sentence("kvlessons generate", ours, "transformers generate", peer))
+    floor = result["step_bytes"] / bandwidth
+    mid, q1, q3 = median_and_quartiles([floor / s for s in result["step_seconds"]])
+    lines.append(f"kvlessons decode step: {floor * 1e3:.1f} ms to read its {result['step_bytes'] / 2**20:.0f} MiB at "
+                 f"{bandwidth / 1e9:.1f} GB/s; it ran at {mid:.0%} of that roofline (quartiles {q1:.0%}-{q3:.0%})")
+    lines.append("both sides wrote the same tokens" if result["same_tokens"] else
+                 "warning: the two sides wrote different tokens")
+    return "\n".join(lines)
+
+
 def machine_description(dev: torch.device) -> str:
     """One line naming the device, the CPU threads torch uses and the torch version."""
     if dev.type == "cuda":
@@ -361,6 +427,19 @@ def main(argv=None) -> None:
             print(f"SmolLM2-135M-Instruct decode, fp32, greedy: {n} one-token steps after a {r['prompt_len']}-token "
                   f"prompt (prefill not timed), one loop for every side, {args.model_repeats} interleaved repeats")
             print(format_decode_comparison(r["runs"], baseline="kvlessons StaticCache"))
+            from .roofline import format_ceilings, measure_ceilings
+
+            ceilings = measure_ceilings(dtypes=("fp32", "bf16"), device=dev)
+            print()
+            print("This machine's ceilings (kvlessons.roofline)")
+            print(format_ceilings(ceilings))
+            for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+                g = smollm2_generate_times(new_tokens=n, repeats=args.model_repeats, dtype=dtype, device=dev)
+                print()
+                print(f"SmolLM2-135M-Instruct, {name}: whole greedy generations of {n} tokens after a "
+                      f"{g['prompt_len']}-token prompt (prefill included), {args.model_repeats} interleaved repeats; "
+                      f"kvlessons with fused projections")
+                print(format_generate_comparison(g, ceilings.bandwidth.median))
 
 
 def quantized_decode_cost(model, seq_len: int, fmt: str = "nvfp4", residual: int = 0, new_tokens: int = 8,
@@ -401,6 +480,41 @@ def quantized_decode_cost(model, seq_len: int, fmt: str = "nvfp4", residual: int
 
     starts = {"full precision": reading(ConcatCache), fmt: reading(lambda: QuantizedCache(fmt, residual))}
     return interleaved_decode(starts, new_tokens, repeats, model.device)
+
+
+def recompute_stepper(model, ids: torch.Tensor):
+    """:func:`greedy_stepper` without a cache: the same tokens, each step a forward pass over everything so far.
+
+    The first token is chosen from ``ids`` (B, T) at once, as the prefill chooses it;
+    each call of ``step()`` then runs the model over the prompt and every token chosen
+    since, and returns the next one (B, 1). For :func:`interleaved_decode`, against
+    ``greedy_stepper``: lesson 01's recompute-vs-cache timing.
+    """
+    with torch.inference_mode():
+        tokens = torch.cat([ids, model(ids, last_only=True)[:, -1].argmax(-1, keepdim=True)], dim=1)
+
+    @torch.inference_mode()
+    def step() -> torch.Tensor:
+        nonlocal tokens
+        chosen = model(tokens, last_only=True)[:, -1].argmax(-1, keepdim=True)
+        tokens = torch.cat([tokens, chosen], dim=1)
+        return chosen
+
+    return step
+
+
+def prefill_stepper(model, ids: torch.Tensor):
+    """Return ``step()``: one prefill, ``ids`` (B, T) read into a new StaticCache in one pass; the token it chooses (B, 1).
+
+    Every call does the same work and returns the same token: the one
+    :func:`greedy_stepper`'s prefill chooses. Lesson 01 times it against a decode step.
+    """
+
+    @torch.inference_mode()
+    def step() -> torch.Tensor:
+        return model(ids, cache=StaticCache(ids.shape[1]), last_only=True)[:, -1].argmax(-1, keepdim=True)
+
+    return step
 
 
 if __name__ == "__main__":

@@ -130,7 +130,7 @@ class KVWork:
 def count_kv_work(model):
     """Count K/V projections while the block runs: ``with count_kv_work(model) as work: ...``.
 
-    A forward hook on the first layer's key projection records batch x tokens per
+    A forward hook on the first layer's key projection (fused or not) records batch x tokens per
     call; the model itself is not changed.
     """
     work = KVWork(layers=len(model.blocks))
@@ -139,7 +139,8 @@ def count_kv_work(model):
         x = inputs[0]  # (B, T, hidden)
         work.per_forward.append(x.shape[0] * x.shape[1])
 
-    handle = model.blocks[0].attn.k_proj.register_forward_hook(hook)
+    attn = model.blocks[0].attn
+    handle = (attn.k_proj if attn.qkv_proj is None else attn.qkv_proj).register_forward_hook(hook)
     try:
         yield work
     finally:

@@ -103,23 +103,55 @@ class Attention(nn.Module):
             self.v_proj = nn.Linear(c.hidden_size, c.kv_heads * c.head_dim, bias=False)
         self.projects_kv = projects_kv
         self.o_proj = nn.Linear(c.q_heads * c.head_dim, c.hidden_size, bias=False)
+        self.qkv_proj = None  # set by fuse(): q_proj, k_proj and v_proj stacked into one matrix
+
+    @torch.no_grad()
+    def fuse(self) -> None:
+        """Stack q_proj, k_proj and v_proj into one matrix ``qkv_proj`` (rows: queries, keys, values).
+
+        The outputs are the same numbers; a step runs one matrix product instead of
+        three, reading the same weight bytes in one pass over a larger matrix. A layer
+        without K/V projections (it reads another layer's cache) has nothing to fuse.
+        """
+        if self.qkv_proj is not None or not self.projects_kv:
+            return
+        weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        fused.weight = nn.Parameter(weight, requires_grad=self.q_proj.weight.requires_grad)
+        del self.q_proj, self.k_proj, self.v_proj
+        self.qkv_proj = fused
+
+    def _rows(self, x, part: str):
+        """``x`` projected to the queries, keys or values (B, T, heads * D), by its own matrix or its rows of the fused one."""
+        if self.qkv_proj is None:
+            return getattr(self, f"{part}_proj")(x)
+        q_rows, kv_rows = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
+        start, stop = {"q": (0, q_rows), "k": (q_rows, q_rows + kv_rows), "v": (q_rows + kv_rows, q_rows + 2 * kv_rows)}[part]
+        return nn.functional.linear(x, self.qkv_proj.weight[start:stop])
+
+    def _heads(self, x, heads: int):
+        """(B, T, heads * D) -> (B, heads, T, D)."""
+        b, t, _ = x.shape
+        return x.view(b, t, heads, self.head_dim).transpose(1, 2)
 
     def queries(self, x, cos, sin):
         """Rotated queries (B, H_q, T, D)."""
-        b, t, _ = x.shape
-        return apply_rope(self.q_proj(x).view(b, t, self.q_heads, self.head_dim).transpose(1, 2), cos, sin)
+        return apply_rope(self._heads(self._rows(x, "q"), self.q_heads), cos, sin)
 
     def keys_values(self, x, cos, sin):
         """Rotated keys and values (B, H_kv, T, D): rotate before caching, so the cache holds rotated keys."""
-        b, t, _ = x.shape
-        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        k, v = (self._heads(self._rows(x, part), self.kv_heads) for part in "kv")
         return apply_rope(k, cos, sin), v
 
     def project(self, x, cos, sin):
         """Rotated queries and, for an owning layer, rotated keys and values (None otherwise)."""
-        q = self.queries(x, cos, sin)
-        return (q, *self.keys_values(x, cos, sin)) if self.projects_kv else (q, None, None)
+        if self.qkv_proj is None:
+            q = self.queries(x, cos, sin)
+            return (q, *self.keys_values(x, cos, sin)) if self.projects_kv else (q, None, None)
+        q_rows, kv_rows = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_rows, kv_rows, kv_rows], dim=-1)  # one product for all three
+        q, k, v = self._heads(q, self.q_heads), self._heads(k, self.kv_heads), self._heads(v, self.kv_heads)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     attend_fn = staticmethod(attend)  # the one attention call (lesson 07 swaps in broken ones)
 
@@ -131,10 +163,13 @@ class Attention(nn.Module):
         queries' input (YOCO's global K/V: every position, from a norm of its own).
         """
         b, t, _ = x.shape
-        q = self.queries(x, cos, sin)
-        if kv is None:
-            k, v = self.keys_values(*(kv_input or (x, cos, sin)))
+        if kv is None and kv_input is None:  # the usual layer: queries, keys and values from x
+            q, k, v = self.project(x, cos, sin)
             kv = layer_cache.update(k, v)  # (B, H_kv, S, D), S = cached + T
+        else:
+            q = self.queries(x, cos, sin)
+            if kv is None:
+                kv = layer_cache.update(*self.keys_values(*kv_input))
         if mask is not None and mask.shape[-1] > kv[0].shape[2]:
             mask = mask[..., -kv[0].shape[2]:]  # a sliding-window layer returns only the newest keys
         out = self.attend_fn(q, *kv, mask=mask, window=self.window)  # bottom-right causal mask when T > 1
@@ -149,9 +184,25 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.mlp_hidden, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.mlp_hidden, bias=False)
         self.down_proj = nn.Linear(config.mlp_hidden, config.hidden_size, bias=False)
+        self.gate_up_proj = None  # set by fuse(): gate_proj and up_proj stacked into one matrix
+
+    @torch.no_grad()
+    def fuse(self) -> None:
+        """Stack gate_proj and up_proj into one matrix ``gate_up_proj``: one product instead of two, same outputs."""
+        if self.gate_up_proj is not None:
+            return
+        weight = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+        fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        fused.weight = nn.Parameter(weight, requires_grad=self.gate_proj.weight.requires_grad)
+        del self.gate_proj, self.up_proj
+        self.gate_up_proj = fused
 
     def forward(self, x):
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -300,6 +351,19 @@ class TinyDecoder(nn.Module):
         return self.lm_head(self.norm(x))
 
 
+def fuse_projections(model: TinyDecoder) -> TinyDecoder:
+    """Fuse, in place, every layer's Q/K/V projections into one matrix and its gate/up projections into another.
+
+    A decode step then runs 3 matrix products per layer instead of 6 (plus the output
+    head), reading exactly the same weights. The logits are the same up to float
+    rounding (the tests hold them equal to the unfused model's). Returns ``model``.
+    """
+    for block in model.blocks:
+        block.attn.fuse()
+        block.mlp.fuse()
+    return model
+
+
 class CharTokenizer:
     """Characters to token ids and back: printable ASCII plus newline, 96 tokens.
 
@@ -356,6 +420,5 @@ def attention_inputs(model, ids: torch.Tensor, layer: int = 0):
         handle.remove()
     x = seen["x"]
     q, k, v = attn.project(x, seen["cos"], seen["sin"])
-    b, t, _ = x.shape
-    k_raw = attn.k_proj(x).view(b, t, attn.kv_heads, attn.head_dim).transpose(1, 2)
+    k_raw = attn._heads(attn._rows(x, "k"), attn.kv_heads)
     return q, k, v, k_raw

@@ -172,3 +172,66 @@ def plot_simulation(results: dict):
     axes[1].legend(fontsize=7)
     fig.tight_layout()
     return fig
+
+
+def plot_intensity(grid: dict, batches, ridges: dict | None = None, title: str = ""):
+    """Counted FLOPs per byte against batch size, one line per context (:func:`kvlessons.roofline.intensity_grid`);
+    ``ridges`` ({label: FLOPs per byte}) draws machines' ridge points as horizontal lines."""
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for context, values in grid.items():
+        ax.plot(batches, values, "o-", label=f"context {context:,}")
+    for label, ridge in (ridges or {}).items():
+        ax.axhline(ridge, ls="--", lw=1, color="gray")
+        ax.text(batches[0], ridge * 1.08, label, fontsize=8, color="gray")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch (sequences decoded together)")
+    ax.set_ylabel("FLOPs per byte read")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    return fig
+
+
+def plot_roofline(ceilings, points, title: str = ""):
+    """This machine's roofline per dtype (measured ceilings) with the measured decode steps on it.
+
+    Each step is drawn at its counted intensity and its *achieved* FLOP/s (counted
+    FLOPs / measured seconds), with a bar over its quartiles; the ceiling above it is
+    the best the roofline allows. ``ceilings`` and ``points`` come from
+    :func:`kvlessons.roofline.measure_ceilings` and :func:`~kvlessons.roofline.measure_decode_steps`.
+    """
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    intensities = [p.cost.intensity for p in points]
+    x = np.geomspace(min(intensities) / 2, max(intensities + [max(ceilings.ridge(d) for d in ceilings.flops)]) * 2, 200)
+    bw = ceilings.bandwidth.median
+    markers = {"context": ["o", "s", "^", "D"]}
+    contexts = sorted({p.context for p in points})
+    for i, dtype in enumerate(ceilings.flops):
+        color = f"C{i}"
+        peak = ceilings.flops[dtype].median
+        ax.plot(x, np.minimum(bw * x, peak) / 1e9, color=color, lw=1.5, label=f"{dtype} roofline")
+        for p in points:
+            if p.dtype != dtype:
+                continue
+            low, high = p.seconds.spread
+            achieved = p.cost.flops / p.seconds.median / 1e9
+            err = [[achieved - p.cost.flops / high / 1e9], [p.cost.flops / low / 1e9 - achieved]]
+            m = markers["context"][contexts.index(p.context) % 4]
+            ax.errorbar(p.cost.intensity, achieved, yerr=err, fmt=m, color=color, ms=5, capsize=2)
+            ax.annotate(str(p.batch), (p.cost.intensity, achieved), textcoords="offset points", xytext=(4, -9),
+                        fontsize=7, color=color)
+    for j, c in enumerate(contexts):
+        ax.plot([], [], markers["context"][j % 4], color="gray", label=f"measured, context {c} (label: batch)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOPs per byte read)")
+    ax.set_ylabel("GFLOP/s achieved")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    return fig

@@ -98,3 +98,34 @@ def test_decode_bound_takes_a_rounded_answer_and_says_when_rounding_is_ambiguous
     assert not fb.correct and "two decimals" in fb.message and "counted twice" not in fb.message
     left_out = exercises.check_decode_bound(1e3 * w / b, bandwidth=b, weight_bytes=w, cache_bytes=c)
     assert not left_out.correct and "left out the cache" in left_out.message
+
+
+def test_step_cost_right_answer_written_out():
+    """Batch 16, context 256, fp32: 2 x 134,479,872 x 16 + 16 x 30 x 4 x 9 x 64 x 256 FLOPs; 4 x 134,479,872 + 46,080 x 256 x 16 bytes."""
+    from kvlessons.exercises import check_step_cost
+
+    assert check_step_cost(4_586_471_424, 726_663_168)
+    assert check_step_cost(4.5865e9, 7.2666e8)  # rounded to 5 figures still passes
+
+
+@pytest.mark.parametrize("flops, bytes_read, says", [
+    (4_303_355_904, 726_663_168, "attention over the cache costs FLOPs"),
+    (2 * 134_479_872 + 30 * 4 * 9 * 64 * 256, 726_663_168, "one sequence's work"),
+    (4_586_471_424, 4 * 134_479_872 * 16 + 46_080 * 256 * 16, "read once per step"),
+    (4_586_471_424, 4 * 134_479_872, "The cache is read at every step"),
+    (4_586_471_424, 4 * 134_479_872 + 46_080 * 256, "times the batch"),
+    (4_586_471_424, 726_663_168 // 2, "bf16"),
+    (2 * 134_479_872 * 16 + 16 * 30 * 4 * 3 * 64 * 256, 726_663_168, "per *query* head"),
+])
+def test_step_cost_names_the_slip(flops, bytes_read, says):
+    from kvlessons.exercises import check_step_cost
+
+    feedback = check_step_cost(flops, bytes_read)
+    assert not feedback and says in feedback.message
+
+
+def test_step_cost_survives_odd_input():
+    from kvlessons.exercises import check_step_cost
+
+    for value in (None, "4e9", float("nan"), [1, 2]):
+        assert not check_step_cost(value, value)

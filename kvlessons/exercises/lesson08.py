@@ -1,4 +1,5 @@
-"""Lesson 08's exercises: SmolLM2's cache bytes per token from its config, and the bandwidth bound of a decode step."""
+"""Lesson 08's exercises: SmolLM2's cache bytes per token from its config, the bandwidth bound of a decode step,
+and the FLOPs and bytes of a batched decode step."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from ..shape import ModelShape
 from .core import Feedback, NumericExercise, as_number, check_parts
 
 
-__all__ = ["SMOLLM2_FP32", "SMOLLM2_BF16", "DECODE_BOUND_HINTS", "check_smollm2_bytes", "check_decode_bound"]
+__all__ = ["SMOLLM2_FP32", "SMOLLM2_BF16", "DECODE_BOUND_HINTS", "STEP_FLOPS", "STEP_BYTES", "check_smollm2_bytes",
+           "check_decode_bound", "check_step_cost"]
 
 
 SMOLLM2 = preset("SmolLM2-135M").shape  # 30 layers, 9 query heads, 3 KV heads, head_dim 64, hidden 576
@@ -140,3 +142,75 @@ def check_decode_bound(bound_ms, *, bandwidth, weight_bytes, cache_bytes) -> Fee
         return Feedback(False, f"Not quite: {value:g} ms is 10^{round(power)} times the answer. Check the units: "
                                f"bytes over bytes per second gives seconds, and a second is 1000 ms.")
     return feedback
+
+
+# Exercise 08.3: one fp32 decode step of SmolLM2 for a batch of 16 sequences, each attending over 256 tokens.
+STEP_PARAMS = 134_479_872  # SmolLM2's matrix weights (its tied embedding counted once, as the output head)
+STEP_BATCH, STEP_CONTEXT = 16, 256
+
+
+def _step_exercises() -> tuple[NumericExercise, NumericExercise]:
+    s, p, b, n = SMOLLM2, STEP_PARAMS, STEP_BATCH, STEP_CONTEXT
+    matmul = 2 * p * b  # a multiply and an add per weight, per sequence
+    attention = b * s.layers * 4 * s.q_heads * s.head_dim * n  # scores and weighted sum, per query head and key
+    weights = 4 * p  # read once per step, whatever the batch
+    per_token = kv_bytes_per_token(s, "fp32")
+    cache = per_token * n * b  # every sequence reads its own cache
+    flops = NumericExercise(
+        name="step_flops",
+        question=f"FLOPs of one fp32 decode step of SmolLM2, batch {b}, context {n}.",
+        answer=matmul + attention,
+        unit="FLOPs",
+        explanation=f"2 x {p:,} weights x {b} sequences = {matmul:,} for the matrix products, plus "
+                    f"{b} x {s.layers} layers x 4 x {s.q_heads} query heads x {s.head_dim} x {n} keys = {attention:,} "
+                    f"for attention: {matmul + attention:,}.",
+        mistakes=[
+            (matmul, "Only the matrix products: attention over the cache costs FLOPs too (a score and a weighted "
+                     "value per query head and key, 2 x head_dim each)."),
+            (2 * p + attention / b, "That is one sequence's work: every sequence in the batch multiplies by every weight."),
+            (p * b + attention, "A weight costs two FLOPs per sequence, a multiply and an add."),
+            (matmul + attention * s.kv_heads / s.q_heads,
+             f"Attention runs per *query* head ({s.q_heads}), not per KV head: GQA shares keys, not the arithmetic."),
+            (matmul + attention / 2, "Attention does two things per key: the score q.k and the weighted sum of the "
+                                     "value, 2 x head_dim FLOPs each."),
+        ],
+        hints=[
+            "Two parts: the matrix products (weights x sequences) and attention (query heads x keys, per layer).",
+            "Matrix products: 2 FLOPs per weight per sequence. Attention: per layer, sequence, query head and key, "
+            "2 x head_dim for the score and 2 x head_dim for the weighted value.",
+            f"flops = 2 * {p} * {b} + {b} * {s.layers} * 4 * {s.q_heads} * {s.head_dim} * {n}",
+        ],
+        rel_tol=1e-3,
+    )
+    bytes_read = NumericExercise(
+        name="step_bytes",
+        question=f"Bytes one fp32 decode step of SmolLM2 reads, batch {b}, context {n}.",
+        answer=weights + cache,
+        unit="bytes",
+        explanation=f"4 x {p:,} weight bytes, once for the whole batch = {weights:,}, plus {per_token:,} cache bytes per "
+                    f"token x {n} tokens x {b} sequences = {cache:,}: {weights + cache:,}.",
+        mistakes=[
+            (weights * b + cache, "The weights are read once per step and serve every sequence in the batch: "
+                                  "that sharing is the whole point of batching."),
+            (weights, "The cache is read at every step too: each sequence attends over all its keys and values."),
+            (weights + per_token * n, "Every sequence has its own cache, and all of them are read: times the batch."),
+            ((weights + cache) / 2, "That is bf16 (2 bytes a value); this step is fp32, 4 bytes."),
+            (weights + cache * s.q_heads // s.kv_heads, f"The cache holds {s.kv_heads} KV heads, not {s.q_heads}."),
+        ],
+        hints=[
+            "Two parts: the weights, and the caches.",
+            f"Weights: 4 bytes each, read once per step. Cache: {per_token:,} bytes per token (exercise 1), per "
+            "sequence, and each sequence's is read.",
+            f"bytes_read = 4 * {p} + {per_token} * {n} * {b}",
+        ],
+        rel_tol=1e-3,
+    )
+    return flops, bytes_read
+
+
+STEP_FLOPS, STEP_BYTES = _step_exercises()
+
+
+def check_step_cost(flops, bytes_read) -> Feedback:
+    """Exercise 08.3: FLOPs and bytes of one fp32 SmolLM2 decode step, batch 16, context 256."""
+    return check_parts(("flops", STEP_FLOPS, flops), ("bytes_read", STEP_BYTES, bytes_read))
