@@ -174,6 +174,18 @@ def plot_simulation(results: dict):
     return fig
 
 
+def _log_log(fig, ax, xlabel: str, ylabel: str, title: str):
+    """Finish a figure whose y axis (and x axis, set by the caller) is logarithmic."""
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    return fig
+
+
 def plot_intensity(grid: dict, batches, ridges: dict | None = None, title: str = ""):
     """Counted FLOPs per byte against batch size, one line per context (:func:`kvlessons.roofline.intensity_grid`);
     ``ridges`` ({label: FLOPs per byte}) draws machines' ridge points as horizontal lines."""
@@ -184,14 +196,7 @@ def plot_intensity(grid: dict, batches, ridges: dict | None = None, title: str =
         ax.axhline(ridge, ls="--", lw=1, color="gray")
         ax.text(batches[0], ridge * 1.08, label, fontsize=8, color="gray")
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("batch (sequences decoded together)")
-    ax.set_ylabel("FLOPs per byte read")
-    ax.set_title(title)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3, which="both")
-    fig.tight_layout()
-    return fig
+    return _log_log(fig, ax, "batch (sequences decoded together)", "FLOPs per byte read", title)
 
 
 def plot_roofline(ceilings, points, title: str = ""):
@@ -227,11 +232,4 @@ def plot_roofline(ceilings, points, title: str = ""):
     for j, c in enumerate(contexts):
         ax.plot([], [], markers["context"][j % 4], color="gray", label=f"measured, context {c} (label: batch)")
     ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("arithmetic intensity (FLOPs per byte read)")
-    ax.set_ylabel("GFLOP/s achieved")
-    ax.set_title(title)
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3, which="both")
-    fig.tight_layout()
-    return fig
+    return _log_log(fig, ax, "arithmetic intensity (FLOPs per byte read)", "GFLOP/s achieved", title)

@@ -10,7 +10,7 @@ from kvlessons.memory import PRESETS, kv_cache_bytes
 from kvlessons.model import TinyConfig, TinyDecoder, fuse_projections
 from kvlessons.pretrained import SMOLLM2_CONFIG
 from kvlessons.roofline import (
-    ACCELERATORS, StepCost, attention_flops, cache_overtakes_weights, decode_step_cost, filled_cache, limit,
+    ACCELERATORS, StepCost, attention_flops, cache_overtakes_weights, decode_step_cost, filled_cache, intensity_grid, limit,
     matmul_params, measure_ceilings, measure_decode_steps, predicted_seconds, ridge_point,
 )
 from kvlessons.shape import ModelShape
@@ -189,3 +189,19 @@ def test_generate_comparison_says_the_ratio_and_the_roofline_fraction():
     assert "both sides wrote the same tokens" in text
     result["same_tokens"] = False
     assert "warning" in format_generate_comparison(result, bandwidth=20e9)
+
+
+def test_roofline_figures_draw_every_measured_point():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from kvlessons import plots
+
+    model = small_model()
+    points = measure_decode_steps({"fp32": model}, batches=(1, 2), contexts=(4, 8), repeats=1)
+    ceilings = measure_ceilings(dtypes=("fp32",), read_bytes=2**20, matmul_size=64, repeats=1, device="cpu")
+    fig = plots.plot_roofline(ceilings, points, title="t")
+    ax = fig.axes[0]
+    assert len(ax.containers) == len(points)  # one error bar per measured step
+    fig = plots.plot_intensity(intensity_grid(SMOL, 1000, [1, 2, 4], (16, 64)), [1, 2, 4], {"ridge": 5.0})
+    assert len(fig.axes[0].lines) == 3  # two contexts and the ridge line
