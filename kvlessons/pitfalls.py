@@ -326,3 +326,98 @@ def expected_bytes_written(cache_kind: str, steps: int, bytes_per_token: int, pr
     if cache_kind == "static":
         return bytes_per_token * (prompt_len + steps)
     raise ValueError(f"cache_kind must be 'concat' or 'static', got {cache_kind!r}")
+
+
+def append_cost(steps: int, kv_heads: int = 8, head_dim: int = 128, repeats: int = 5, dtype=torch.float32,
+                device=None) -> dict:
+    """Seconds per one-token append to one layer's cache: ``torch.cat`` (ConcatLayer) vs a preallocated StaticLayer.
+
+    Only the appends are timed, no model around them: each side starts from an empty
+    layer and appends ``steps`` tokens, K and V of shape (1, kv_heads, 1, head_dim) each,
+    one at a time; the two sides are interleaved over ``repeats`` rounds after a warm-up
+    round (:func:`kvlessons.bench.interleaved_decode`). The preallocated side allocates its
+    buffer on its first append, inside the timer.
+
+    Returns ``{"steps", "bytes_per_token"`` (K and V of one token), ``"bytes_written"``
+    (side: bytes its layer counted as written in the last repeat; compare
+    :func:`expected_bytes_written`), ``"same_keys"`` (both layers ended holding the same
+    keys and values), ``"runs"``: interleaved_decode's runs, keyed "torch.cat" and
+    "preallocated", seconds per append}.
+    """
+    from .bench import interleaved_decode
+    from .cache import ConcatLayer, StaticLayer
+    from ._device import device as default_device
+
+    require_positive_int("steps", steps)
+    require_positive_int("kv_heads", kv_heads)
+    require_positive_int("head_dim", head_dim)
+    dev = torch.device(device) if device is not None else default_device()
+    g = torch.Generator().manual_seed(steps)
+    ks = torch.randn(steps, 1, kv_heads, 1, head_dim, generator=g).to(device=dev, dtype=dtype)
+    vs = torch.randn(steps, 1, kv_heads, 1, head_dim, generator=g).to(device=dev, dtype=dtype)
+    marks = torch.arange(steps).view(1, steps)  # what each step returns: which append it was
+    last = {}  # side -> the layer of its latest repeat
+
+    def appending(name, new_layer):
+        def start():
+            layer = last[name] = new_layer()
+            appends = iter(range(steps))
+
+            @torch.inference_mode()
+            def step():
+                i = next(appends)
+                layer.update(ks[i], vs[i])
+                return marks[:, i : i + 1]
+
+            return step
+
+        return start
+
+    runs = interleaved_decode({"torch.cat": appending("torch.cat", ConcatLayer),
+                               "preallocated": appending("preallocated", lambda: StaticLayer(steps))},
+                              steps, repeats, dev)
+    cat, pre = last["torch.cat"], last["preallocated"]
+    return {
+        "steps": steps,
+        "bytes_per_token": ks[0].nbytes + vs[0].nbytes,
+        "bytes_written": {"torch.cat": cat.bytes_written, "preallocated": pre.bytes_written},
+        "same_keys": torch.equal(cat.keys, pre.keys) and torch.equal(cat.values, pre.values),
+        "runs": runs,
+    }
+
+
+def decode_cost(model, prompt_len: int, new_tokens: int, repeats: int = 5) -> dict:
+    """Seconds per greedy decode step of ``model`` with a ConcatCache against a StaticCache, interleaved.
+
+    The same random ``prompt_len``-token prompt is prefilled untimed into each cache, then
+    ``new_tokens`` one-token greedy steps are timed, the two sides interleaved over
+    ``repeats`` rounds (:func:`kvlessons.bench.interleaved_decode`). Returns its runs, keyed
+    "torch.cat" and "preallocated"; :func:`kvlessons.bench.format_decode_comparison` prints them.
+    """
+    from .bench import interleaved_decode
+    from .cache import StaticCache
+
+    require_positive_int("prompt_len", prompt_len)
+    require_positive_int("new_tokens", new_tokens)
+    g = torch.Generator().manual_seed(prompt_len)
+    ids = torch.randint(model.config.vocab_size, (1, prompt_len), generator=g).to(model.device)
+
+    def decoding(new_cache):
+        def start():
+            cache = new_cache()
+            with torch.inference_mode():
+                chosen = model(ids, cache=cache, last_only=True)[:, -1].argmax(-1, keepdim=True)
+
+            @torch.inference_mode()
+            def step():
+                nonlocal chosen
+                chosen = model(chosen, cache=cache, last_only=True)[:, -1].argmax(-1, keepdim=True)
+                return chosen
+
+            return step
+
+        return start
+
+    starts = {"torch.cat": decoding(ConcatCache),
+              "preallocated": decoding(lambda: StaticCache(prompt_len + new_tokens))}
+    return interleaved_decode(starts, new_tokens, repeats, model.device)

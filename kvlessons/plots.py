@@ -20,24 +20,6 @@ def plot_kv_work(work: dict):
     return fig
 
 
-def plot_step_times(recompute, cached, labels=("recompute", "cache")):
-    """Per-step latency against position for two :class:`~kvlessons.generate.Generation` runs (ms)."""
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for gen, label in zip((recompute, cached), labels):
-        prompt_len = gen.tokens.shape[1] - gen.new_tokens.shape[1]
-        # Step i (i >= 1) produces the token at position prompt_len + i; skip step 0 (prefill).
-        positions = [prompt_len + i for i in range(1, len(gen.step_times))]
-        ax.plot(positions, [t * 1e3 for t in gen.step_times[1:]], ".", ms=3, label=label)
-    ax.set_xlabel("position of the token being produced")
-    ax.set_ylabel("ms per decode step")
-    ax.set_title("Decode latency: recompute grows, the cache stays flat")
-    ax.set_ylim(bottom=0)
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    return fig
-
-
 def plot_mask(mask, title: str = "", ax=None):
     """Draw a bool attention mask (queries down, keys across); True cells filled."""
     if ax is None:

@@ -11,12 +11,14 @@ from kvlessons.pitfalls import (
     BrokenPositionsOffByOne,
     BrokenPositionsRestart,
     BrokenRopeAfterCache,
+    append_cost,
     attend_fixed,
     attend_is_causal_always,
     attend_textbook,
     broken_variant,
     expected_bytes_written,
     check_cache_consistency,
+    decode_cost,
     edit_and_continue,
     first_token_divergence,
     interrupted_pass,
@@ -143,6 +145,43 @@ def test_bytes_written_counts_quadratic_and_linear(steps):
         assert cache.bytes_written() == expected_bytes_written(kind, steps, per_token, prompt_len=3)
     with pytest.raises(ValueError, match="cache_kind"):
         expected_bytes_written("ring", 3, 8)
+
+
+def test_expected_bytes_written_is_the_written_out_rule():
+    """torch.cat's step i rewrites all prompt_len + i tokens (quadratic); a preallocated cache writes one (linear)."""
+    # 3-token prompt, 4 steps, 8 bytes a token: cat writes 3, then 4 + 5 + 6 + 7 tokens; preallocated 3 + 4.
+    assert expected_bytes_written("concat", 4, 8, prompt_len=3) == 8 * (3 + 4 + 5 + 6 + 7) == 200
+    assert expected_bytes_written("static", 4, 8, prompt_len=3) == 8 * (3 + 4) == 56
+    for n, p in [(0, 1), (1, 1), (10, 1), (100, 16), (1000, 7)]:
+        assert expected_bytes_written("concat", n, 1, prompt_len=p) == (n + 1) * p + n * (n + 1) // 2
+        assert expected_bytes_written("static", n, 1, prompt_len=p) == p + n
+
+
+@pytest.mark.parametrize("steps", [1, 2, 9])
+def test_append_cost_counts_what_each_layer_writes(steps):
+    """The timed appends: torch.cat writes 1 + 2 + ... + steps tokens, the buffer one per append; both hold the same."""
+    r = append_cost(steps, kv_heads=2, head_dim=4, repeats=2, device="cpu")
+    per_token = 2 * 2 * 4 * 4  # K and V, 2 heads of 4 fp32 values
+    assert r["steps"] == steps and r["bytes_per_token"] == per_token
+    assert r["bytes_written"] == {"torch.cat": per_token * steps * (steps + 1) // 2, "preallocated": per_token * steps}
+    assert r["bytes_written"]["torch.cat"] == expected_bytes_written("concat", steps - 1, per_token)
+    assert r["same_keys"]
+    for run in r["runs"].values():
+        assert len(run["seconds"]) == 2 and all(s > 0 for s in run["seconds"])
+        assert run["tokens"].tolist() == [list(range(steps))]  # every append was timed, in order
+    with pytest.raises(ValueError, match="steps"):
+        append_cost(0)
+
+
+def test_decode_cost_decodes_the_same_tokens_with_both_caches():
+    """Both sides are the real greedy decode: the tokens are the uncached model's."""
+    model = small_model()
+    runs = decode_cost(model, prompt_len=6, new_tokens=5, repeats=2)
+    ids = torch.randint(model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(6))
+    want = generate(model, ids, 6).new_tokens[:, 1:]  # token 0 is the prefill's choice, not a timed step
+    assert set(runs) == {"torch.cat", "preallocated"}
+    for run in runs.values():
+        assert torch.equal(run["tokens"], want) and len(run["seconds"]) == 2
 
 
 def test_interrupted_pass_without_a_transaction_corrupts_the_cache():
