@@ -88,3 +88,21 @@ def test_tokenizer_round_trip():
     assert tok.decode(tok.encode(text)[0]) == text
     assert tok.decode(tok.encode("café")[0]) == "caf?"
     assert tok.token_str(tok.encode(" ")[0, 0].item()) == "\u2423"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_row_projection_equals_the_matrix_product(dtype):
+    """A decode step of one sequence goes through torch.mv; it must give x @ W.T, as every other shape does."""
+    from kvlessons.model import Linear
+
+    g = torch.Generator().manual_seed(0)
+    layer = Linear(6, 5)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(5, 6, generator=g))
+    layer = layer.to(dtype)
+    for shape in [(1, 1, 6), (1, 6), (2, 3, 6)]:
+        x = torch.randn(shape, generator=g).to(dtype)
+        expected = (x.double() @ layer.weight.double().T).to(dtype)
+        got = layer(x)
+        assert got.shape == (*shape[:-1], 5)
+        torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
