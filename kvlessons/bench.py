@@ -131,46 +131,58 @@ def decode_table(model, lengths, modes=MODES, repeats: int = 5) -> list[dict]:
 
 @torch.inference_mode()
 def paged_decode_time(seq_len: int, block_size: int = 16, q_heads: int = 8, kv_heads: int = 2, head_dim: int = 64,
-                      repeats: int = 20, device=None) -> dict:
-    """Seconds (fastest of ``repeats``) of one decode attention step: contiguous K/V against a block table.
+                      repeats: int = 21, device=None) -> dict:
+    """One decode attention step read through a block table, against the same keys held contiguously, timed in turn.
 
-    The block table is shuffled, so the sequence's blocks are scattered over the pool
-    as they are in a busy server. Returns {"contiguous", "paged", "ratio"}.
+    The block table is shuffled, so the sequence's blocks are scattered over a pool twice
+    its size (other sequences' blocks sit in between), as in a busy server. The
+    contiguous side holds the same keys and values in attention's layout, as a
+    contiguous cache does; both sides call the same attention
+    (:func:`kvlessons.paging.paged_attention` gathers first). One untimed call of each
+    warms up and checks that they agree; then they are timed alternately, contiguous,
+    paged, contiguous, paged, ... (``repeats`` each), so a slow spell of the machine
+    lands on both sides. Returns ``{"contiguous": [seconds, ...], "paged": [seconds, ...],
+    "ratio": [paged / contiguous, one per pair]}``: quote :func:`median_and_quartiles` of
+    each, and claim a difference with :func:`ratio_sentence`.
     """
     from .attention import attend
-    from .paging import paged_attention
+    from .paging import gather_kv, paged_attention
 
     require_positive_int("seq_len", seq_len)
     require_positive_int("block_size", block_size)
+    require_positive_int("repeats", repeats)
     dev = torch.device(device) if device is not None else default_device()
     g = torch.Generator().manual_seed(seq_len)
     n_blocks = -(-seq_len // block_size)
-    pool_blocks = 2 * n_blocks  # other sequences' blocks sit in between
-    k_pool = torch.randn(pool_blocks, block_size, kv_heads, head_dim, generator=g).to(dev)
-    v_pool = torch.randn(pool_blocks, block_size, kv_heads, head_dim, generator=g).to(dev)
-    table = torch.randperm(pool_blocks, generator=g)[:n_blocks].tolist()
+    pool_blocks = 2 * n_blocks
+    pool = torch.randn(2, kv_heads, pool_blocks, block_size, head_dim, generator=g).to(dev)  # K and V of every block
+    table = torch.randperm(pool_blocks, generator=g)[:n_blocks].to(dev)  # a server keeps the table on the device
     q = torch.randn(1, q_heads, 1, head_dim, generator=g).to(dev)
-    from .paging import gather_kv
+    k, v = (x.clone(memory_format=torch.contiguous_format) for x in gather_kv(pool, table, seq_len))  # (1, H_kv, S, D)
 
-    # The contiguous baseline holds the same keys in attention's own layout: one read, no table.
-    k = gather_kv(k_pool, table, seq_len).contiguous()
-    v = gather_kv(v_pool, table, seq_len).contiguous()
-    table_t = torch.tensor(table, device=dev)
-
-    def contiguous():
-        attend(q, k, v)
-
-    def paged():
-        paged_attention(q, k_pool, v_pool, table_t, seq_len)
-
-    times = {}
-    for name, fn in (("contiguous", contiguous), ("paged", paged)):
-        fn()  # warm-up
-        # Fastest of the repeats: at well under a millisecond, the minimum is the run least
-        # disturbed by the rest of the machine, and the fairest comparison of two kernels.
-        times[name] = min(_timed(fn, dev) for _ in range(repeats))
-    times["ratio"] = times["paged"] / times["contiguous"]
+    sides = {"contiguous": lambda: attend(q, k, v), "paged": lambda: paged_attention(q, pool, table, seq_len)}
+    torch.testing.assert_close(sides["paged"](), sides["contiguous"]())  # warm-up, and the same work on both sides
+    times = {name: [] for name in sides}
+    for _ in range(repeats):
+        for name, fn in sides.items():
+            times[name].append(_timed(fn, dev))
+    times["ratio"] = [p / c for c, p in zip(times["contiguous"], times["paged"])]
     return times
+
+
+def format_paged_table(results: dict, label: str = "seq_len") -> str:
+    """``{key: paged_decode_time(...)}`` as a table, one row per key (a length, or what ``label`` names): the median
+    (quartiles) of each side and of the paired ratio."""
+
+    def cell(values, scale, digits, unit=""):
+        mid, q1, q3 = median_and_quartiles([x * scale for x in values])
+        return f"{mid:.{digits}f}{unit} ({q1:.{digits}f}-{q3:.{digits}f})"
+
+    lines = [f"{label:>8}{'contiguous ms':>24}{'paged ms':>24}{'paged/contig':>22}"]
+    for n, t in results.items():
+        lines.append(f"{n:>8}{cell(t['contiguous'], 1e3, 3):>24}{cell(t['paged'], 1e3, 3):>24}"
+                     f"{cell(t['ratio'], 1, 2, 'x'):>22}")
+    return "\n".join(lines)
 
 
 @torch.inference_mode()
@@ -410,11 +422,11 @@ def main(argv=None) -> None:
     print(f"on {machine_description(dev)}")
     print(format_table(decode_table(model, args.lengths, repeats=args.repeats)))
     print()
-    print("Paged decode attention vs contiguous (8 query / 2 KV heads, head_dim 64, block 16, scattered blocks)")
-    print(f"{'seq_len':>8} {'contiguous ms':>14} {'paged ms':>10} {'paged/contig':>13}")
-    for n in args.paged_lengths:
-        t = paged_decode_time(n, repeats=args.repeats * 3, device=dev)
-        print(f"{n:>8} {t['contiguous'] * 1e3:>14.3f} {t['paged'] * 1e3:>10.3f} {t['ratio']:>12.2f}x")
+    paged_repeats = args.repeats * 3
+    print("Paged decode attention vs contiguous (8 query / 2 KV heads, head_dim 64, block 16, scattered blocks):")
+    print(f"median (quartiles) of {paged_repeats} repeats, the two sides timed alternately")
+    paged = {n: paged_decode_time(n, repeats=paged_repeats, device=dev) for n in args.paged_lengths}
+    print(format_paged_table(paged))
     if args.real_model:
         import importlib.util
 

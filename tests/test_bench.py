@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 
@@ -109,12 +111,66 @@ def test_cli_prints_table(capsys):
     out = capsys.readouterr().out
     assert "torch" in out and "speedup" in out
     assert len([line for line in out.splitlines() if line.strip().startswith(("8 ", "16 "))]) == 2
+    (paged_row,) = [line.split() for line in out.splitlines() if line.strip().startswith("32 ")]
+    assert len(paged_row) == 7 and paged_row[5].endswith("x")  # seq_len, then a median (quartiles) per column
+    assert all(re.fullmatch(r"\(\d+\.\d+-\d+\.\d+\)", cell) for cell in paged_row[2::2])
 
 
 def test_paged_decode_time_reports_both_and_the_ratio():
-    t = bench.paged_decode_time(64, block_size=8, repeats=2)
-    assert t["contiguous"] > 0 and t["paged"] > 0
-    assert t["ratio"] == pytest.approx(t["paged"] / t["contiguous"])
+    t = bench.paged_decode_time(64, block_size=8, repeats=3)
+    assert len(t["contiguous"]) == len(t["paged"]) == len(t["ratio"]) == 3
+    assert all(x > 0 for x in t["contiguous"] + t["paged"])
+    assert t["ratio"] == pytest.approx([p / c for c, p in zip(t["contiguous"], t["paged"])])  # paired in order
+    with pytest.raises(ValueError, match="repeats"):
+        bench.paged_decode_time(64, repeats=0)
+
+
+def test_paged_decode_time_alternates_the_sides(monkeypatch):
+    """After one untimed call of each, contiguous and paged are timed in turn, and each time is its own side's alone."""
+    import kvlessons.attention
+    import kvlessons.paging
+
+    clock, log = [0.0], []
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+
+    def logged(name, fn, costs):
+        costs = iter(costs)
+
+        def run(*args, **kwargs):
+            log.append(name)
+            clock[0] += next(costs)
+            return fn(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(kvlessons.attention, "attend", logged("contiguous", kvlessons.attention.attend, [0.5, 1, 2, 3]))
+    monkeypatch.setattr(kvlessons.paging, "paged_attention",
+                        logged("paged", kvlessons.paging.paged_attention, [0.5, 6, 2, 9]))
+    t = bench.paged_decode_time(40, block_size=8, repeats=3)
+    assert sorted(log[:2]) == ["contiguous", "paged"] and log[2:] == ["contiguous", "paged"] * 3
+    assert t["contiguous"] == [1, 2, 3] and t["paged"] == [6, 2, 9]
+    assert t["ratio"] == [6, 1, 3]  # each paged repeat over the contiguous one timed just before it
+
+
+def test_paged_decode_time_refuses_sides_that_disagree(monkeypatch):
+    """Both sides must compute the same attention, or the timing compares different work."""
+    import kvlessons.paging
+
+    real = kvlessons.paging.paged_attention
+    def wrong_blocks(q, pool, table, n):  # reads the next block of the pool in place of each one in the table
+        return real(q, pool, (table + 1) % pool.shape[2], n)
+
+    monkeypatch.setattr(kvlessons.paging, "paged_attention", wrong_blocks)
+    with pytest.raises(AssertionError):
+        bench.paged_decode_time(40, block_size=8, repeats=1)
+
+
+def test_format_paged_table_shows_median_and_quartiles_of_each_side_and_of_the_ratio():
+    t = {"contiguous": [0.001, 0.003, 0.002], "paged": [0.002, 0.009, 0.004], "ratio": [2.0, 3.0, 2.0]}
+    lines = bench.format_paged_table({256: t}).splitlines()
+    assert "contiguous ms" in lines[0] and "paged/contig" in lines[0]
+    # median (first quartile-third quartile), quartiles of three values a <= b <= c: (a+b)/2 and (b+c)/2
+    assert lines[1].split() == ["256", "2.000", "(1.500-2.500)", "4.000", "(3.000-6.500)", "2.00x", "(2.00-2.50)"]
 
 
 def test_copy_bandwidth_is_positive():

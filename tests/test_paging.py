@@ -425,6 +425,22 @@ def test_random_pool_operations_keep_the_invariants_and_the_data():
 
 # --- paged attention ---------------------------------------------------------------------------
 
+def scattered_pool(k, v, block_size, g, spare=5):
+    """A pool (2, H_kv, blocks, block_size, D) holding k, v (1, H_kv, S, D) through a shuffled table, noise elsewhere.
+
+    Position p of head h is written where the documented layout puts it: slot p % block_size
+    of block table[p // block_size], K at pool[0, h, ...] and V at pool[1, h, ...].
+    """
+    h_kv, s, d = k.shape[1:]
+    n = -(-s // block_size)
+    pool = torch.randn(2, h_kv, n + spare, block_size, d, generator=g)  # other sequences' rows everywhere else
+    table = torch.randperm(n + spare, generator=g)[:n].tolist()
+    for p in range(s):
+        pool[0, :, table[p // block_size], p % block_size] = k[0, :, p]
+        pool[1, :, table[p // block_size], p % block_size] = v[0, :, p]
+    return pool, table
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_paged_attention_equals_contiguous(seed):
     """Through a shuffled block table, both paged forms equal attention over the same keys held contiguously."""
@@ -433,24 +449,58 @@ def test_paged_attention_equals_contiguous(seed):
     bs = rng.choice([1, 3, 4, 16])
     s = rng.randint(1, 70)
     t = rng.randint(1, min(s, 5))
-    n = -(-s // bs)
     g = torch.Generator().manual_seed(seed)
     k, v = torch.randn(1, h_kv, s, 8, generator=g), torch.randn(1, h_kv, s, 8, generator=g)  # (B, H_kv, S, D)
-    k_pool = torch.randn(n + 5, bs, h_kv, 8, generator=g)  # other sequences' rows everywhere else
-    v_pool = torch.randn(n + 5, bs, h_kv, 8, generator=g)
-    table = torch.randperm(n + 5, generator=g)[:n].tolist()
-    for p in range(s):  # position p lives in slot p % bs of block table[p // bs]
-        k_pool[table[p // bs], p % bs] = k[0, :, p]
-        v_pool[table[p // bs], p % bs] = v[0, :, p]
+    pool, table = scattered_pool(k, v, bs, g)
     q = torch.randn(1, h_q, t, 8, generator=g)
-    torch.testing.assert_close(paged_attention(q, k_pool, v_pool, table, s), reference_attention(q, k, v))
+    torch.testing.assert_close(paged_attention(q, pool, table, s), reference_attention(q, k, v))
     last = q[:, :, -1:]  # the blockwise form is the decode step: one query
-    torch.testing.assert_close(paged_attention_blockwise(last, k_pool, v_pool, table, s), reference_attention(last, k, v))
+    torch.testing.assert_close(paged_attention_blockwise(last, pool, table, s), reference_attention(last, k, v))
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_paged_attention_gqa_partial_block_and_new_tokens(t):
+    """8 query heads on 2 KV heads, 37 keys in blocks of 16 (the last block 5/16 full), a shuffled table given as a
+    tensor: the last t queries see exactly the keys at or before their own position (bottom-right causal mask)."""
+    g = torch.Generator().manual_seed(t)
+    k, v = torch.randn(1, 2, 37, 16, generator=g), torch.randn(1, 2, 37, 16, generator=g)
+    pool, table = scattered_pool(k, v, 16, g)
+    q = torch.randn(1, 8, t, 16, generator=g)
+    got = paged_attention(q, pool, torch.tensor(table), 37)
+    want = torch.cat([reference_attention(q[:, :, i : i + 1], k[:, :, : 37 - t + 1 + i], v[:, :, : 37 - t + 1 + i])
+                      for i in range(t)], dim=2)  # query i sits at position 37 - t + i and sees keys 0 .. itself
+    torch.testing.assert_close(got, want)
 
 
 def test_gather_order_follows_the_table():
-    pool = torch.arange(6 * 2.0).view(6, 2, 1, 1)  # block b holds 2b, 2b+1
-    assert gather_kv(pool, [4, 1, 3], 5).flatten().tolist() == [8, 9, 2, 3, 6]
+    pool = torch.arange(6 * 2.0).view(1, 1, 6, 2, 1) * torch.tensor([1.0, -1.0]).view(2, 1, 1, 1, 1)  # block b: 2b, 2b+1
+    k, v = gather_kv(pool, [4, 1, 3], 5)
+    assert k.flatten().tolist() == [8, 9, 2, 3, 6] and v.flatten().tolist() == [-8, -9, -2, -3, -6]
+
+
+def test_gather_yields_attention_layout_and_refuses_a_short_table():
+    """Each head's gathered keys are one run of rows (D apart), as a contiguous cache's: nothing left to copy."""
+    pool = torch.randn(2, 3, 10, 4, 8)
+    k, v = gather_kv(pool, [7, 2, 5], 10)
+    for x in (k, v):
+        assert x.shape == (1, 3, 10, 8) and x.stride()[2:] == (8, 1)
+    with pytest.raises(ValueError, match="3 blocks"):
+        gather_kv(pool, [7, 2], 10)
+
+
+def test_paged_pool_stores_what_each_head_wrote_where_the_table_says():
+    """K and V of position p, head h, land in pool[0 or 1, h, table[p // block_size], p % block_size]."""
+    pool = PagedKVCache(ModelShape(layers=1, q_heads=2, kv_heads=2, head_dim=3), num_blocks=6, block_size=4)
+    other, _ = pool.add_sequence()
+    pool.append(other, 4)  # block 0 taken by another sequence: ours starts elsewhere
+    a, _ = pool.add_sequence()
+    k = torch.arange(2 * 6 * 3, dtype=torch.float32).view(1, 2, 6, 3)
+    pool.append(a, [k], [-k])
+    table, stored = pool.sequences[a].table, pool.kv_pools[0]
+    for h in range(2):
+        for p in range(6):
+            assert torch.equal(stored[0, h, table[p // 4], p % 4], k[0, h, p])
+            assert torch.equal(stored[1, h, table[p // 4], p % 4], -k[0, h, p])
 
 
 # --- the model on a paged cache -----------------------------------------------------------------
@@ -536,7 +586,7 @@ def raise_in_middle_block(model, exc):
 
 def held_kv(pool, seq_ids):
     """Copies of the keys and values every layer of each sequence holds."""
-    layers = [pool.view(s).layer(i) for s in seq_ids for i in pool.k_pools]
+    layers = [pool.view(s).layer(i) for s in seq_ids for i in pool.kv_pools]
     return [t.clone() for layer in layers for t in (layer.keys, layer.values)]
 
 
@@ -645,7 +695,7 @@ def test_paged_write_refuses_keys_of_the_wrong_shape(shape, rule):
         pool.write(0, a, k, k)
     with pytest.raises(ValueError, match=rule):
         pool.view(a).layer(0).update(k, k)
-    assert not pool.k_pools[0].any()
+    assert not pool.kv_pools[0].any()
 
 
 def test_nbytes_is_the_pool():

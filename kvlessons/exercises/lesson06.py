@@ -3,10 +3,11 @@
 The build step has two parts. ``slot_of(position, block_table, block_size)`` returns
 where one position lives, ``(block, offset)``; ``gather_sequence(pool, block_table,
 seq_len)`` returns a sequence's rows (seq_len, H_kv, D) from a pool (num_blocks,
-block_size, H_kv, D). The checkers compare them with ``kvlessons.paging`` on scattered
-tables and several block sizes (1 included, sequences ending mid-block), recognise the
-classic mistakes by computing them too, and finally let the tiny decoder generate
-through a paged pool that reads with the learner's gather.
+block_size, H_kv, D), one row per slot. The checkers compare them with a reference
+gather on scattered tables and several block sizes (1 included, sequences ending
+mid-block), recognise the classic mistakes by computing them too, and finally let the
+tiny decoder generate through a ``kvlessons.paging`` pool that reads with the learner's
+gather.
 """
 
 from __future__ import annotations
@@ -210,6 +211,15 @@ GATHER_HINTS = [
 _HEADS, _DIM = 2, 3  # the labelled pools of the checks: small rows whose values say where they come from
 
 
+def _rows(pool, block_table, seq_len: int):
+    """The reference answer: a sequence's rows (seq_len, H_kv, D) from a pool (num_blocks, block_size, H_kv, D)."""
+    import torch
+
+    n = -(-seq_len // pool.shape[1])
+    blocks = pool.index_select(0, torch.as_tensor(block_table[:n], dtype=torch.long, device=pool.device))
+    return blocks.reshape(-1, *pool.shape[2:])[:seq_len]
+
+
 def _labelled_pool(num_blocks: int, bs: int):
     """A pool (num_blocks, bs, 2, 3) whose row at flat slot s holds 1000 s + 100 h + d: a row says where it lives."""
     import torch
@@ -285,8 +295,6 @@ def _describe_gather(fn, bs, table, seq_len, num_blocks) -> str | None:
     """What is wrong with ``fn`` on one labelled case, or None if it returns the right rows."""
     import torch
 
-    from ..paging import gather_rows
-
     pool = _labelled_pool(num_blocks, bs)
     call = f"gather_sequence(pool, {table}, seq_len={seq_len}) with blocks of {bs}"
     try:
@@ -296,7 +304,7 @@ def _describe_gather(fn, bs, table, seq_len, num_blocks) -> str | None:
         return f"{call} raised {describe_error(err)}{extra} Hint: {GATHER_HINTS[0]}"
     if not isinstance(got, torch.Tensor):
         return f"{call} returned {type(got).__name__} {got!r:.80}; expected a tensor (seq_len, H_kv, D)."
-    want = gather_rows(pool, table, seq_len)
+    want = _rows(pool, table, seq_len)
     if got.shape == (1, _HEADS, seq_len, _DIM):
         return (f"{call} has shape {tuple(got.shape)}: that is the layout attention reads (1, H_kv, seq_len, D). "
                 f"Return the rows as the pool stores them, (seq_len, H_kv, D); the checker transposes.")
@@ -323,14 +331,19 @@ def _describe_gather(fn, bs, table, seq_len, num_blocks) -> str | None:
 
 
 def _paged_with(gather_fn):
-    """A PagedKVCache class whose layers read a sequence back with ``gather_fn`` (rows), not the package's gather."""
+    """A PagedKVCache class whose layers read a sequence back with ``gather_fn`` (rows), not the package's gather.
+
+    The package's pool is (2, H_kv, num_blocks, block_size, D); ``gather_fn`` gets the
+    exercise's layout, one row per slot: a copy of the K or V pool as (num_blocks, block_size, H_kv, D).
+    """
     from ..paging import PagedKVCache
 
     class LearnerPagedKVCache(PagedKVCache):
         def gather(self, layer, seq_id, seq_len):
             table = list(self._seq(seq_id).table)
-            k = gather_fn(self.k_pools[layer], table, seq_len)  # (seq_len, H_kv, D)
-            v = gather_fn(self.v_pools[layer], table, seq_len)
+            k_rows, v_rows = self.kv_pools[layer].permute(0, 2, 3, 1, 4).contiguous()  # each (num_blocks, bs, H_kv, D)
+            k = gather_fn(k_rows, table, seq_len)  # (seq_len, H_kv, D)
+            v = gather_fn(v_rows, table, seq_len)
             return k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # (1, H_kv, seq_len, D)
 
     return LearnerPagedKVCache

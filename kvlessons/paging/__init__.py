@@ -13,12 +13,12 @@ One concept per module:
 - ``blocks``: the allocator and the block tables (reserve, advance, fork, free, crop,
   copy-on-write, prefix hashing, invariants): the bookkeeping alone;
 - ``attention``: attention through a block table, gathered or block by block;
-- ``pool``: ``PagedKVCache``, the K/V pools, and ``view(seq)``, a sequence seen as a cache;
+- ``pool``: ``PagedKVCache``, one K/V pool per layer, and ``view(seq)``, a sequence seen as a cache;
 - ``simulate``: a serving simulation, contiguous reservation against paging;
 - ``scenario``: the scripted events lesson 06's block-table widget plays.
 """
 
-from .attention import gather_kv, gather_rows, paged_attention, paged_attention_blockwise, slot_indices
+from .attention import gather_kv, paged_attention, paged_attention_blockwise, slot_indices
 from .blocks import ROOT_HASH, BlockAllocator, BlockTables, PoolExhaustedError, chain_hash
 from .pool import PagedKVCache, PagedSequenceView
 from .scenario import block_scenario
@@ -26,6 +26,6 @@ from .simulate import Request, SimResult, make_workload, simulate
 
 __all__ = [
     "ROOT_HASH", "BlockAllocator", "BlockTables", "PagedKVCache", "PagedSequenceView", "PoolExhaustedError",
-    "Request", "SimResult", "block_scenario", "chain_hash", "gather_kv", "gather_rows", "make_workload",
+    "Request", "SimResult", "block_scenario", "chain_hash", "gather_kv", "make_workload",
     "paged_attention", "paged_attention_blockwise", "simulate", "slot_indices",
 ]

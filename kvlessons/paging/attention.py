@@ -1,4 +1,20 @@
-"""Attention through a block table (lesson 06): gather a sequence's blocks, or visit them one by one."""
+"""Attention through a block table (lesson 06): gather a sequence's blocks, or visit them one by one.
+
+The pool's layout. One tensor per cache layer holds the keys and values of every block:
+``(2, H_kv, num_blocks, block_size, D)``, K then V, and for each of them every KV head's
+blocks one after another (head-major). Block ``b`` is ``pool[:, :, b]``; position ``p``
+of a sequence is slot ``p % block_size`` of block ``block_table[p // block_size]``.
+
+Why head-major: attention reads each KV head's keys as one run of rows,
+``(1, H_kv, S, D)``. Picking a sequence's blocks along the block axis of this pool (one
+``index_select`` for K and V of every head together) yields exactly that: within each
+head the chosen blocks land one after another, so the gathered keys are laid out as a
+contiguous cache's, and attention reads them as it reads a contiguous cache. With the
+block axis first instead (``(num_blocks, block_size, H_kv, D)``, one row per slot, the
+layout of lesson 06's exercise) the same gather interleaves the heads row by row, and
+either a second copy or a strided read is needed before attention. FlashInfer's
+"HND" paged layout orders each block head-major for the same reason.
+"""
 
 from __future__ import annotations
 
@@ -10,39 +26,43 @@ from ..attention import attend
 
 
 def slot_indices(block_table: list[int] | torch.Tensor, seq_len: int, block_size: int, device=None) -> torch.Tensor:
-    """Flat pool slot of every position 0..seq_len-1: table[p // block_size] * block_size + p % block_size."""
+    """Flat slot of every position 0..seq_len-1: table[p // block_size] * block_size + p % block_size."""
     table = torch.as_tensor(block_table, dtype=torch.long, device=device)
     pos = torch.arange(seq_len, device=table.device)
     return table[pos // block_size] * block_size + pos % block_size
 
 
-def gather_rows(pool: torch.Tensor, block_table, seq_len: int) -> torch.Tensor:
-    """A sequence's rows (seq_len, H_kv, D) from a pool (num_blocks, block_size, H_kv, D), whole blocks at a time."""
-    num_blocks, block_size, h, d = pool.shape
-    n = -(-seq_len // block_size)
-    table = torch.as_tensor(block_table, dtype=torch.long, device=pool.device)[:n]
-    return pool.index_select(0, table).view(n * block_size, h, d)[:seq_len]
+def gather_kv(pool: torch.Tensor, block_table, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's keys and values, each (1, H_kv, seq_len, D), from a pool (2, H_kv, num_blocks, block_size, D).
+
+    One index per block (not per token), for K and V and every head at once: the
+    sequence's blocks, in table order, become one run of rows per head, and the slots of
+    the last block past ``seq_len`` are left out. The two results are views of one new
+    tensor, already in the layout attention reads (see the module's docstring).
+    """
+    _, h_kv, _, block_size, d = pool.shape
+    n = -(-seq_len // block_size)  # the blocks holding positions 0 .. seq_len - 1
+    table = torch.as_tensor(block_table, dtype=torch.long, device=pool.device)
+    if len(table) < n:
+        raise ValueError(f"{seq_len} positions need {n} blocks of {block_size}; the block table holds {len(table)}")
+    k, v = pool.index_select(2, table[:n]).view(2, 1, h_kv, n * block_size, d)[..., :seq_len, :].unbind(0)
+    return k, v
 
 
-def gather_kv(pool: torch.Tensor, block_table, seq_len: int) -> torch.Tensor:
-    """One sequence's K or V (1, H_kv, seq_len, D), laid out as contiguous attention expects."""
-    return gather_rows(pool, block_table, seq_len).transpose(0, 1).unsqueeze(0)
-
-
-def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table, seq_len: int) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, pool: torch.Tensor, block_table, seq_len: int) -> torch.Tensor:
     """Attention (1, H_q, T, D) of a sequence's last T queries over its keys, read through the block table.
 
-    The blocks are gathered whole (one index per block, not per token) and seen, through
-    a transposed view, in the (1, H_kv, S, D) layout attention expects; then
-    :func:`~kvlessons.attention.attend` runs on them as it does on a contiguous cache,
-    with the bottom-right causal mask for T > 1. The only difference from contiguous
-    attention is the gather and the strided layout it leaves the keys in.
+    The blocks are gathered whole (:func:`gather_kv`) into the (1, H_kv, S, D) layout of
+    a contiguous cache; then :func:`~kvlessons.attention.attend` runs on them exactly as it
+    does on a contiguous cache (grouped-query heads read their KV head in place; the
+    bottom-right causal mask for T > 1). The only difference from contiguous attention is
+    the gather: one copy of the sequence's keys and values per call.
     """
-    k, v = gather_kv(k_pool, block_table, seq_len), gather_kv(v_pool, block_table, seq_len)  # (1, H_kv, S, D)
+    k, v = gather_kv(pool, block_table, seq_len)
     return attend(q, k, v)
 
 
-def paged_attention_blockwise(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table, seq_len: int) -> torch.Tensor:
+def paged_attention_blockwise(q: torch.Tensor, pool: torch.Tensor, block_table, seq_len: int) -> torch.Tensor:
     """The same result, one block at a time with a running softmax, as a paged kernel computes it.
 
     Never materialises the whole sequence's K/V: each block's scores update a running
@@ -57,7 +77,7 @@ def paged_attention_blockwise(q: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
     """
     if q.shape[2] != 1:
         raise ValueError("paged_attention_blockwise is the decode form: q must hold one token (T = 1)")
-    _, block_size, h_kv, d = k_pool.shape
+    _, h_kv, _, block_size, d = pool.shape
     g = q.shape[1] // h_kv
     qg = q[0, :, 0].view(h_kv, g, d).to(torch.float32) / d**0.5  # (H_kv, g, D)
     running_max = torch.full((h_kv, g), float("-inf"), device=q.device)
@@ -65,8 +85,7 @@ def paged_attention_blockwise(q: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
     acc = torch.zeros(h_kv, g, d, device=q.device)
     for i, block in enumerate(block_table[: math.ceil(seq_len / block_size)]):
         n = min(block_size, seq_len - i * block_size)
-        k = k_pool[block, :n].transpose(0, 1).to(torch.float32)  # (H_kv, n, D)
-        v = v_pool[block, :n].transpose(0, 1).to(torch.float32)
+        k, v = pool[:, :, block, :n].to(torch.float32)  # each (H_kv, n, D)
         scores = qg @ k.transpose(-1, -2)  # (H_kv, g, n)
         new_max = torch.maximum(running_max, scores.amax(-1))
         rescale = torch.exp(running_max - new_max)

@@ -1,8 +1,9 @@
 """The K/V pools shared by every sequence, and one sequence's view of them as a cache (lesson 06).
 
-``PagedKVCache`` holds one K and one V pool per cache layer, (num_blocks, block_size,
-kv_heads, head_dim), on top of the block tables; ``view(seq_id)`` is a cache with the
-course's interface, so the model runs on a paged sequence unchanged.
+``PagedKVCache`` holds one pool per cache layer, the keys and values of every block,
+(2, kv_heads, num_blocks, block_size, head_dim) (the layout is explained in
+``kvlessons.paging.attention``), on top of the block tables; ``view(seq_id)`` is a cache
+with the course's interface, so the model runs on a paged sequence unchanged.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from .blocks import BlockTables
 
 
 class PagedKVCache(BlockTables):
-    """K/V pools of shape (num_blocks, block_size, kv_heads, head_dim) per layer, shared by all sequences.
+    """One K/V pool per layer, (2, kv_heads, num_blocks, block_size, head_dim), shared by all sequences.
 
     Run the model on one sequence through ``view(seq_id)``, a cache with the
     foundation's interface: the model is unchanged.
@@ -27,31 +28,30 @@ class PagedKVCache(BlockTables):
         if shape.latent_dim is not None or any(shape.window(i) is not None for i in range(shape.layers)):
             raise ValueError("PagedKVCache stores full-attention K/V layers (no windows, no latent caches)")
         self.shape = shape
-        pool = (num_blocks, block_size, shape.kv_heads, shape.head_dim)
-        self.k_pools = {i: torch.zeros(pool, dtype=dtype, device=device) for i in shape.cache_layers}
-        self.v_pools = {i: torch.zeros(pool, dtype=dtype, device=device) for i in shape.cache_layers}
+        pool = (2, shape.kv_heads, num_blocks, block_size, shape.head_dim)  # K and V, head-major: see .attention
+        self.kv_pools = {i: torch.zeros(pool, dtype=dtype, device=device) for i in shape.cache_layers}
 
     def nbytes(self) -> int:
         """Bytes of the pools: all blocks, free or not (a serving system allocates the pool up front)."""
-        return sum(p.nbytes for p in self.k_pools.values()) + sum(p.nbytes for p in self.v_pools.values())
+        return sum(p.nbytes for p in self.kv_pools.values())
 
     def bytes_per_block(self) -> int:
-        """Bytes one block takes across every layer's K and V pools."""
+        """Bytes one block takes across every layer's pool (its keys and values)."""
         return self.nbytes() // self.allocator.num_blocks
 
     def _copy_block(self, src: int) -> int:
         dst = super()._copy_block(src)
         with torch.no_grad():  # copy-on-write: the new block starts as the shared one's copy, in every layer
-            for pool in (*self.k_pools.values(), *self.v_pools.values()):
-                pool[dst] = pool[src]
+            for pool in self.kv_pools.values():
+                pool[:, :, dst] = pool[:, :, src]
         return dst
 
     def _check_write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Raise ValueError unless k, v (1, H_kv, T, D) fit ``layer``'s pools."""
-        if layer not in self.k_pools:
-            raise ValueError(f"layer must be one of this pool's cache layers {sorted(self.k_pools)}, got {layer}")
+        if layer not in self.kv_pools:
+            raise ValueError(f"layer must be one of this pool's cache layers {sorted(self.kv_pools)}, got {layer}")
         _check_kv(k, v)
-        _, _, kv_heads, head_dim = self.k_pools[layer].shape
+        _, kv_heads, _, _, head_dim = self.kv_pools[layer].shape
         if k.shape[0] != 1:
             raise ValueError(f"k must hold batch size 1 (a paged sequence is one sequence), got batch {k.shape[0]}")
         if k.shape[1] != kv_heads:
@@ -68,12 +68,13 @@ class PagedKVCache(BlockTables):
                 f"k holds {t} new tokens but sequence {seq_id} has {seq.reserved} positions reserved: "
                 f"reserve() them first (a view's forward pass does)"
             )
-        k_pool, v_pool = self.k_pools[layer], self.v_pools[layer]
-        nb, bs, h, d = k_pool.shape
-        idx = slot_indices(seq.table, seq.length + t, bs, k_pool.device)[seq.length :]
+        pool = self.kv_pools[layer]
+        _, h, nb, bs, d = pool.shape
+        idx = slot_indices(seq.table, seq.length + t, bs, pool.device)[seq.length :]
+        slots = pool.view(2, h, nb * bs, d)  # every head's slots in flat order: slot s of block b is b * bs + s
         with torch.no_grad():
-            k_pool.view(nb * bs, h, d)[idx] = k[0].transpose(0, 1).to(k_pool)
-            v_pool.view(nb * bs, h, d)[idx] = v[0].transpose(0, 1).to(v_pool)
+            slots[0][:, idx] = k[0].to(pool)  # k[0]: (H_kv, T, D)
+            slots[1][:, idx] = v[0].to(pool)
 
     def append(self, seq_id: int, keys, values=None, tokens=None) -> None:
         """Append K/V for every cache layer: ``keys[i]``, ``values[i]`` shaped (1, H_kv, T, D), in layer order.
@@ -83,7 +84,7 @@ class PagedKVCache(BlockTables):
         """
         if isinstance(keys, int):  # the bookkeeping-only form
             return super().append(seq_id, keys, tokens)
-        layers = list(self.k_pools)
+        layers = list(self.kv_pools)
         if values is None or len(keys) != len(layers) or len(values) != len(layers):
             raise ValueError(f"keys and values must give one (1, H_kv, T, D) tensor per cache layer ({len(layers)})")
         for layer, k, v in zip(layers, keys, values):
@@ -100,7 +101,7 @@ class PagedKVCache(BlockTables):
     def gather(self, layer: int, seq_id: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The sequence's first ``seq_len`` keys and values in ``layer``, each (1, H_kv, seq_len, D)."""
         seq = self._seq(seq_id)
-        return gather_kv(self.k_pools[layer], seq.table, seq_len), gather_kv(self.v_pools[layer], seq.table, seq_len)
+        return gather_kv(self.kv_pools[layer], seq.table, seq_len)
 
     def view(self, seq_id: int) -> PagedSequenceView:
         """A cache object for ``model(ids, cache=...)`` that reads and writes this sequence's blocks."""
@@ -135,7 +136,7 @@ class _PagedLayer(LayerCache):
     def nbytes(self):
         """This layer's share of the blocks in the sequence's table (shared blocks count for every holder)."""
         blocks = len(self.paged._seq(self.seq_id).table)
-        return blocks * self.paged.bytes_per_block() // len(self.paged.k_pools)
+        return blocks * self.paged.bytes_per_block() // len(self.paged.kv_pools)
 
     def reset(self):
         raise ValueError("the layers of a paged sequence share one block table: reset() the view, not a layer")
@@ -158,7 +159,7 @@ class PagedSequenceView(KVCache):
     def __init__(self, paged: PagedKVCache, seq_id: int):
         super().__init__()
         self.paged, self.seq_id = paged, seq_id
-        self._layers = {i: _PagedLayer(paged, seq_id, i) for i in paged.k_pools}
+        self._layers = {i: _PagedLayer(paged, seq_id, i) for i in paged.kv_pools}
         self._pass_ids: list[int] | None = None  # the token ids of the forward pass in progress
 
     @property
@@ -168,7 +169,7 @@ class PagedSequenceView(KVCache):
     def new_layer(self, window=None):
         # Every layer the pool stores was made in __init__; any other index has no pool.
         raise ValueError(
-            f"this PagedKVCache stores layers {sorted(self.paged.k_pools)} (full attention); "
+            f"this PagedKVCache stores layers {sorted(self.paged.kv_pools)} (full attention); "
             f"asked for another layer (window={window})"
         )
 
