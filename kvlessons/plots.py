@@ -200,7 +200,9 @@ def plot_roofline(ceilings, points, title: str = ""):
     for i, dtype in enumerate(ceilings.flops):
         color = f"C{i}"
         peak = ceilings.flops[dtype].median
-        ax.plot(x, np.minimum(bw * x, peak) / 1e9, color=color, lw=1.5, label=f"{dtype} roofline")
+        # The rooflines share their memory slope: draw them in different styles so both stay visible.
+        ax.plot(x, np.minimum(bw * x, peak) / 1e9, color=color, lw=1.5, ls=("-", "--", ":")[i % 3],
+                label=f"{dtype} roofline; points in this colour: {dtype} steps")
         for p in points:
             if p.dtype != dtype:
                 continue
@@ -209,9 +211,33 @@ def plot_roofline(ceilings, points, title: str = ""):
             err = [[achieved - p.cost.flops / high / 1e9], [p.cost.flops / low / 1e9 - achieved]]
             m = markers["context"][contexts.index(p.context) % 4]
             ax.errorbar(p.cost.intensity, achieved, yerr=err, fmt=m, color=color, ms=5, capsize=2)
-            ax.annotate(str(p.batch), (p.cost.intensity, achieved), textcoords="offset points", xytext=(4, -9),
-                        fontsize=7, color=color)
+            below = contexts.index(p.context) % 2  # the two contexts' labels on opposite sides of their points
+            ax.annotate(str(p.batch), (p.cost.intensity, achieved), textcoords="offset points",
+                        xytext=(5, -11) if below else (-9, 5), fontsize=7, color=color)
     for j, c in enumerate(contexts):
         ax.plot([], [], markers["context"][j % 4], color="gray", label=f"measured, context {c} (label: batch)")
     ax.set_xscale("log")
     return _log_log(fig, ax, "arithmetic intensity (FLOPs per byte read)", "GFLOP/s achieved", title)
+
+
+def plot_append_cost(medians: dict, lengths, title: str = ""):
+    """Microseconds per append against cache length: ``medians[row label][side]`` holds one (median, first quartile,
+    third quartile) per length (lesson 07: ``torch.cat`` against a preallocated cache, from ``pitfalls.append_cost``).
+    One line style per row size, one colour per side, the quartiles as error bars."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    colors = {"torch.cat": "C3", "preallocated": "C0"}
+    for (label, sides), (marker, ls) in zip(medians.items(), (("o", "-"), ("s", "--"), ("^", ":"))):
+        for side, values in sides.items():
+            mid, q1, q3 = zip(*values)
+            ax.errorbar(lengths, mid, yerr=[[m - a for m, a in zip(mid, q1)], [b - m for m, b in zip(mid, q3)]],
+                        marker=marker, ls=ls, color=colors.get(side), ms=4, capsize=2, label=f"{side}, {label}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths, labels=[str(n) for n in lengths])
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens in the cache after the appends")
+    ax.set_ylabel("µs per append (median, quartiles)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8, handlelength=3)
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    return fig

@@ -10,8 +10,8 @@ so the step takes at least max(bytes / bandwidth, FLOPs / flops): the roofline
 (Williams, Waterman and Patterson 2009). Which term wins depends on the arithmetic
 intensity FLOPs / bytes against the machine's ridge point flops / bandwidth. Weights
 give 2 FLOPs per weight per sequence, so a batch raises the intensity; the cache is
-read once per sequence for about ``q_heads / kv_heads`` FLOPs per value, whatever the
-batch (Pope et al. 2022, arXiv 2211.05102), so a long cache pulls the step back
+read once per sequence for 2 x ``q_heads / kv_heads`` FLOPs per cached value, whatever
+the batch (Pope et al. 2022, arXiv 2211.05102), so a long cache pulls the step back
 towards the memory bound.
 
 Counting is exact arithmetic, tested against the rule written out; the ceilings and
@@ -373,6 +373,22 @@ def batch_scaling(points: list[DecodePoint]) -> list[str]:
             f"{dtype}, context {context}: batch {big.batch} made {big.batch // one.batch}x the tokens of batch "
             f"{one.batch} in {mid:.1f}x the time (quartiles {low:.1f}-{high:.1f}x): {per_token:.1f}x the tokens per second"
         )
+    return sentences
+
+
+def dtype_comparison(points: list[DecodePoint], faster: str = "bf16", baseline: str = "fp32") -> list[str]:
+    """For every batch and context measured in both dtypes: how ``faster`` compared with ``baseline``, from the
+    per-round paired times (:func:`kvlessons.bench.ratio_sentence`, which says when noise allows no claim)."""
+    from .bench import ratio_sentence
+
+    by_key = {(p.dtype, p.batch, p.context): p for p in points}
+    sentences = []
+    for (dtype, batch, context), p in by_key.items():
+        other = by_key.get((baseline, batch, context))
+        if dtype != faster or other is None:
+            continue
+        sentence = ratio_sentence(faster, list(p.seconds.values), baseline, list(other.seconds.values))
+        sentences.append(f"batch {batch}, context {context}: {sentence}")
     return sentences
 
 

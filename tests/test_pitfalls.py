@@ -198,3 +198,19 @@ def test_interrupted_pass_without_a_transaction_corrupts_the_cache():
         interrupted_pass(model, ids, prefill=16, interrupt_after_layer=0)
     with pytest.raises(ValueError, match="interrupt_after_layer"):
         interrupted_pass(model, ids, prefill=4, interrupt_after_layer=3)
+
+
+def test_append_cost_figure_has_a_line_per_row_size_and_side():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from kvlessons import plots
+
+    medians = {"big": {"torch.cat": [(2, 1, 3), (4, 3, 5)], "preallocated": [(1, 1, 1), (1, 1, 1)]},
+               "small": {"torch.cat": [(1, 1, 1), (1, 1, 1)], "preallocated": [(2, 2, 2), (2, 2, 2)]}}
+    fig = plots.plot_append_cost(medians, [64, 128], "t")
+    ax = fig.axes[0]
+    assert len(ax.containers) == 4
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "torch.cat, big", "preallocated, big", "torch.cat, small", "preallocated, small"]
+    assert ax.containers[0].lines[0].get_linestyle() != ax.containers[2].lines[0].get_linestyle()  # row sizes differ

@@ -205,3 +205,16 @@ def test_roofline_figures_draw_every_measured_point():
     assert len(ax.containers) == len(points)  # one error bar per measured step
     fig = plots.plot_intensity(intensity_grid(SMOL, 1000, [1, 2, 4], (16, 64)), [1, 2, 4], {"ridge": 5.0})
     assert len(fig.axes[0].lines) == 3  # two contexts and the ridge line
+
+
+def test_dtype_comparison_pairs_each_setting_by_round():
+    from kvlessons.roofline import DecodePoint, Measured, dtype_comparison
+
+    cost = StepCost(1, 1, 1, 1)
+    points = [DecodePoint("fp32", 1, 16, cost, Measured((0.030, 0.031, 0.029))),
+              DecodePoint("bf16", 1, 16, cost, Measured((0.015, 0.0155, 0.0145))),
+              DecodePoint("fp32", 4, 16, cost, Measured((0.030, 0.031, 0.029))),
+              DecodePoint("bf16", 4, 16, cost, Measured((0.031, 0.029, 0.030)))]
+    first, second = dtype_comparison(points)
+    assert first.startswith("batch 1, context 16: bf16 is faster than fp32 by 2.00x")
+    assert second.startswith("batch 4, context 16: bf16 vs fp32: no difference within noise")

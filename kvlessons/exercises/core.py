@@ -45,6 +45,8 @@ class NumericExercise:
         """
         if not isinstance(value, (bool, int, float, str)) and as_number(value) is not None:
             value = as_number(value)  # a NumPy scalar or a one-element tensor
+        if isinstance(value, str):
+            return Feedback(False, f"Expected a number ({self.unit}), got the text {value!r}: remove the quotes.")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             return Feedback(False, f"Expected a number ({self.unit}), got {value!r}. Replace the None (or ...) with your answer.")
         if self._close(value, self.answer):

@@ -69,7 +69,8 @@ DECODE_BOUND_HINTS = [
     "If moving bytes were the only cost, a step would take (bytes it must read) / (bytes per second the memory delivers).",
     "A decode step reads every weight once and the whole cache once: weight_bytes + cache_bytes. bandwidth is in "
     "bytes per second, so the quotient is in seconds.",
-    "bound_ms = 1e3 * (weight_bytes + cache_bytes) / bandwidth",
+    "cache_bytes = fp32_bytes * context  (exercise 1's bytes per token, times the tokens cached; or "
+    "kv_cache_bytes(shape, context, dtype=dtype)), then bound_ms = 1e3 * (weight_bytes + cache_bytes) / bandwidth",
 ]
 
 
@@ -93,7 +94,7 @@ def check_decode_bound(bound_ms, *, bandwidth, weight_bytes, cache_bytes) -> Fee
         question="The fastest a decode step could be if reading memory were its only cost, in ms.",
         answer=answer,
         unit="ms",
-        explanation=(f"{step_bytes / 2**20:,.2f} MiB read per step / {bandwidth / 1e9:.1f} GB/s = {answer:.2f} ms. "
+        explanation=(f"{step_bytes / 1e6:,.2f} MB read per step / {bandwidth / 1e9:.2f} GB/s = {answer:.2f} ms. "
                      f"The weights are {1 - share:.1%} of it at this context: the cache matters once it is long."),
         mistakes=[
             (1e3 * weight_bytes / bandwidth,
@@ -128,9 +129,11 @@ def check_decode_bound(bound_ms, *, bandwidth, weight_bytes, cache_bytes) -> Fee
             if nearest == answer:
                 bound_ms = answer
             else:
-                return Feedback(False, f"{value:g} ms is within rounding of the right answer, and closer to a known "
-                                       f"slip ({nearest:.2f} ms) than to it: give two decimals, computed from the "
-                                       f"variables rather than the printed, rounded numbers.")
+                slip = next(diagnosis for wrong, diagnosis in exercise.mistakes if wrong == nearest)
+                return Feedback(False, f"{value:g} ms is within 1% of the right answer ({answer:.2f} ms) but closer to "
+                                       f"a known slip ({nearest:.2f} ms): {slip} If you did not make that slip, you "
+                                       f"probably typed the rounded bandwidth printed above: compute with the variable "
+                                       f"`bandwidth` instead.")
     feedback = exercise.check(bound_ms)
     value = as_number(bound_ms)
     if feedback.correct or value is None or not math.isfinite(value) or value <= 0:
@@ -173,6 +176,10 @@ def _step_exercises() -> tuple[NumericExercise, NumericExercise]:
              f"Attention runs per *query* head ({s.q_heads}), not per KV head: GQA shares keys, not the arithmetic."),
             (matmul + attention / 2, "Attention does two things per key: the score q.k and the weighted sum of the "
                                      "value, 2 x head_dim FLOPs each."),
+            (matmul + attention / s.layers, f"Attention runs in every one of the {s.layers} layers."),
+            (matmul + attention / s.head_dim, f"Each score and each weighted value is a {s.head_dim}-wide dot "
+                                              f"product: 2 x head_dim FLOPs, not 2."),
+            ((matmul + attention) / 1e9, "That is in GFLOPs; the question asks for FLOPs."),
         ],
         hints=[
             "Two parts: the matrix products (weights x sequences) and attention (query heads x keys, per layer).",
@@ -196,6 +203,11 @@ def _step_exercises() -> tuple[NumericExercise, NumericExercise]:
             (weights + per_token * n, "Every sequence has its own cache, and all of them are read: times the batch."),
             ((weights + cache) / 2, "That is bf16 (2 bytes a value); this step is fp32, 4 bytes."),
             (weights + cache * s.q_heads // s.kv_heads, f"The cache holds {s.kv_heads} KV heads, not {s.q_heads}."),
+            (weights + cache / 2, "Each token caches a key *and* a value: the cache part is twice that."),
+            ((weights + cache) / 2**20, "That is in MiB; the question asks for bytes."),
+            ((weights + cache) / 1e9, "That is in GB; the question asks for bytes."),
+            ((weights + cache) / 1e6, "That is in MB; the question asks for bytes."),
+            ((weights + cache) * 8, "Eight times too much: that counts bits, not bytes."),
         ],
         hints=[
             "Two parts: the weights, and the caches.",
@@ -211,6 +223,19 @@ def _step_exercises() -> tuple[NumericExercise, NumericExercise]:
 STEP_FLOPS, STEP_BYTES = _step_exercises()
 
 
+def _exact(exercise: NumericExercise, value) -> Feedback:
+    """The exercise's verdict, except that an answer within 1% but not exact is told it is close (rounded)."""
+    feedback = exercise.check(value)
+    number = as_number(value)
+    if feedback.correct or number is None or not math.isfinite(number) or feedback.message.startswith("Not quite"):
+        return feedback
+    if abs(number - exercise.answer) <= 0.01 * exercise.answer:
+        return Feedback(False, f"Close ({number:g}, {abs(number / exercise.answer - 1):.1%} off): that looks rounded. "
+                               f"Compute it exactly from the formula; the count is an integer.")
+    return feedback
+
+
 def check_step_cost(flops, bytes_read) -> Feedback:
     """Exercise 08.3: FLOPs and bytes of one fp32 SmolLM2 decode step, batch 16, context 256."""
-    return check_parts(("flops", STEP_FLOPS, flops), ("bytes_read", STEP_BYTES, bytes_read))
+    verdicts = [("flops", _exact(STEP_FLOPS, flops)), ("bytes_read", _exact(STEP_BYTES, bytes_read))]
+    return Feedback(all(fb.correct for _, fb in verdicts), "\n".join(f"{label}: {fb.message}" for label, fb in verdicts))
