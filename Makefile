@@ -9,6 +9,12 @@ LAB_IP    ?= 127.0.0.1
 LAB_PORT  ?= 8888
 LAB_ARGS  ?=
 CELL_TIMEOUT ?= 300
+# torch's OpenMP threads spin-wait between operations (GNU OpenMP's default: about 300,000 spins). On a
+# 2-core laptop where another program holds a core, the spinning thread and that program share one core and
+# a SmolLM2 decode step went from 32 ms to 197 ms; spinning 10,000 times before sleeping kept the quiet step
+# at 32 ms and the loaded one at 103 ms (measured in lesson 08's setting). Kernels started by `make lab`
+# and `make test` inherit it; a value set in your environment wins.
+export GOMP_SPINCOUNT ?= 10000
 # Jupyter refuses to run as root unless told; containers and CI often are root.
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 NBVAL     := --nbval-lax --nbval-current-env --nbval-cell-timeout=$(CELL_TIMEOUT)
