@@ -247,9 +247,12 @@ def measure_ceilings(dtypes=("fp32", "bf16"), read_bytes: int = 256 * 2**20, mat
     from ._device import device as default_device
 
     require_positive_int("read_bytes", read_bytes)
+    if read_bytes < 4:
+        raise ValueError(f"read_bytes must hold at least one float32 value (4 bytes), got {read_bytes}")
+    if not dtypes:
+        raise ValueError("dtypes must name at least one dtype to measure, e.g. ('fp32',)")
     dev = torch.device(device) if device is not None else default_device()
-    n = matmul_size or (8192 if dev.type == "cuda" else 1024)
-    require_positive_int("matmul_size", n)
+    n = require_positive_int("matmul_size", matmul_size) if matmul_size is not None else (8192 if dev.type == "cuda" else 1024)
     data = torch.empty(read_bytes // 4, dtype=torch.float32, device=dev).fill_(1.0)
     g = torch.Generator().manual_seed(0)
     contenders = {"read": data.sum}
@@ -304,6 +307,8 @@ def measure_decode_steps(models: dict, batches=(1, 4, 16, 64), contexts=(16, 256
     step feeds one token per sequence and the cache is cropped back after it, so every
     repeat does the same work.
     """
+    if not models or not batches or not contexts:
+        raise ValueError("models, batches and contexts must each hold at least one entry")
     for b in batches:
         require_positive_int("batches", b)
     for c in contexts:

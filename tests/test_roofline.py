@@ -218,3 +218,18 @@ def test_dtype_comparison_pairs_each_setting_by_round():
     first, second = dtype_comparison(points)
     assert first.startswith("batch 1, context 16: bf16 is faster than fp32 by 2.00x")
     assert second.startswith("batch 4, context 16: bf16 vs fp32: no difference within noise")
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"matmul_size": 0}, "matmul_size"), ({"read_bytes": 3}, "read_bytes"), ({"read_bytes": -1}, "read_bytes"),
+    ({"dtypes": ()}, "dtypes"),
+])
+def test_measured_ceilings_refuse_impossible_sizes(kwargs, name):
+    args = {"dtypes": ("fp32",), "read_bytes": 2**20, "matmul_size": 8, "repeats": 1, "device": "cpu", **kwargs}
+    with pytest.raises(ValueError, match=name):
+        measure_ceilings(**args)
+
+
+def test_decode_steps_refuse_empty_settings():
+    with pytest.raises(ValueError, match="at least one"):
+        measure_decode_steps({"fp32": small_model()}, batches=(), contexts=(4,))
