@@ -92,6 +92,15 @@ def project_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return nn.functional.linear(x, weight)
 
 
+@torch.no_grad()
+def stacked(*linears: Linear) -> Linear:
+    """One :class:`Linear` whose rows are those of ``linears``, in order: x through it = the outputs concatenated."""
+    weight = torch.cat([lin.weight for lin in linears])
+    fused = Linear(weight.shape[1], weight.shape[0], device="meta")
+    fused.weight = nn.Parameter(weight, requires_grad=linears[0].weight.requires_grad)
+    return fused
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -137,19 +146,21 @@ class Attention(nn.Module):
         """
         if self.qkv_proj is not None or not self.projects_kv:
             return
-        weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
-        fused = Linear(weight.shape[1], weight.shape[0], device="meta")
-        fused.weight = nn.Parameter(weight, requires_grad=self.q_proj.weight.requires_grad)
+        fused = stacked(self.q_proj, self.k_proj, self.v_proj)
         del self.q_proj, self.k_proj, self.v_proj
         self.qkv_proj = fused
+
+    @property
+    def _split(self) -> list[int]:
+        """Rows of the fused matrix that project queries, keys and values, in that order."""
+        return [self.q_heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim]
 
     def _rows(self, x, part: str):
         """``x`` projected to the queries, keys or values (B, T, heads * D), by its own matrix or its rows of the fused one."""
         if self.qkv_proj is None:
             return getattr(self, f"{part}_proj")(x)
-        q_rows, kv_rows = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
-        start, stop = {"q": (0, q_rows), "k": (q_rows, q_rows + kv_rows), "v": (q_rows + kv_rows, q_rows + 2 * kv_rows)}[part]
-        return project_rows(x, self.qkv_proj.weight[start:stop])
+        weights = dict(zip("qkv", self.qkv_proj.weight.split(self._split)))
+        return project_rows(x, weights[part])
 
     def _heads(self, x, heads: int):
         """(B, T, heads * D) -> (B, heads, T, D)."""
@@ -170,8 +181,7 @@ class Attention(nn.Module):
         if self.qkv_proj is None:
             q = self.queries(x, cos, sin)
             return (q, *self.keys_values(x, cos, sin)) if self.projects_kv else (q, None, None)
-        q_rows, kv_rows = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_rows, kv_rows, kv_rows], dim=-1)  # one product for all three
+        q, k, v = self.qkv_proj(x).split(self._split, dim=-1)  # one product for all three
         q, k, v = self._heads(q, self.q_heads), self._heads(k, self.kv_heads), self._heads(v, self.kv_heads)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
@@ -213,9 +223,7 @@ class MLP(nn.Module):
         """Stack gate_proj and up_proj into one matrix ``gate_up_proj``: one product instead of two, same outputs."""
         if self.gate_up_proj is not None:
             return
-        weight = torch.cat([self.gate_proj.weight, self.up_proj.weight])
-        fused = Linear(weight.shape[1], weight.shape[0], device="meta")
-        fused.weight = nn.Parameter(weight, requires_grad=self.gate_proj.weight.requires_grad)
+        fused = stacked(self.gate_proj, self.up_proj)
         del self.gate_proj, self.up_proj
         self.gate_up_proj = fused
 
