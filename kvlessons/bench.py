@@ -197,14 +197,17 @@ def copy_bandwidth(n_bytes: int = 256 * 2**20, repeats: int = 5, device=None) ->
     return 2 * src.nbytes / best
 
 
-def greedy_stepper(model, ids: torch.Tensor, max_len: int):
-    """Prefill ``ids`` (B, T) into a new StaticCache of ``max_len``; return ``step()``, one greedy decode step.
+def greedy_stepper(model, ids: torch.Tensor, max_len: int | None = None, cache=None):
+    """Prefill ``ids`` (B, T) into a new StaticCache of ``max_len`` (or into ``cache``, an empty cache of any kind);
+    return ``step()``, one greedy decode step.
 
     Each call of ``step()`` feeds the token chosen last (the prefill chooses the first)
     and returns the next one (B, 1). :func:`kvlessons.pretrained.hf_greedy_stepper` is
     the same thing for a transformers model, so both run in one harness.
     """
-    cache = StaticCache(max_len)
+    if (max_len is None) == (cache is None):
+        raise ValueError("pass exactly one of max_len (a new StaticCache of that size) and cache")
+    cache = StaticCache(max_len) if cache is None else cache
     with torch.inference_mode():
         chosen = model(ids, cache=cache, last_only=True)[:, -1].argmax(-1, keepdim=True)
 
@@ -238,6 +241,23 @@ def interleaved_decode(starts: dict, new_tokens: int, repeats: int, device=None)
                 runs[name]["seconds"].append(seconds / new_tokens)
             runs[name]["tokens"] = torch.cat(chosen, dim=1).cpu()
     return runs
+
+
+def interleaved_calls(contenders: dict, repeats: int, device=None) -> dict[str, list[float]]:
+    """Seconds of each ``fn()`` in ``contenders`` ({name: fn}), timed in rounds A, B, C, A, B, C, ...
+
+    Round 0 warms every contender up and is not kept, so each list holds ``repeats``
+    values, paired by round across contenders: a slow spell of the machine lands on all.
+    """
+    require_positive_int("repeats", repeats)
+    dev = torch.device(device) if device is not None else default_device()
+    seconds = {name: [] for name in contenders}
+    for round_ in range(repeats + 1):
+        for name, fn in contenders.items():
+            s = _timed(fn, dev)
+            if round_:
+                seconds[name].append(s)
+    return seconds
 
 
 def median_and_quartiles(values) -> tuple[float, float, float]:
@@ -323,9 +343,8 @@ def smollm2_generate_times(new_tokens: int = 32, repeats: int = 5, dtype=torch.f
     "step_bytes": bytes one kvlessons decode step reads at the last step, "step_seconds":
     [kvlessons decode-only seconds per step, one per repeat]}``.
     """
-    from .cache import StaticCache
     from .generate import generate
-    from .memory import kv_cache_bytes
+    from .memory import dtype_name, kv_cache_bytes
     from .model import fuse_projections
     from .pretrained import chat_ids, load_hf_model, load_smollm2
 
@@ -336,29 +355,24 @@ def smollm2_generate_times(new_tokens: int = 32, repeats: int = 5, dtype=torch.f
     fuse_projections(ours)
     peer = load_hf_model(dtype=dtype).to(dev)
     ids = chat_ids(tokenizer, "Write a short story about a cache.", device=dev)
-    out = {}
+    out, steps = {}, []  # steps: kvlessons' median decode step of each call, the warm-up round's first
 
     def kvlessons_side():
         out["ours"] = generate(ours, ids, new_tokens, cache=StaticCache(ids.shape[1] + new_tokens))
+        steps.append(statistics.median(out["ours"].step_times[1:]))
 
     @torch.inference_mode()
     def transformers_side():
         out["peer"] = peer.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                                     min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)[:, ids.shape[1]:]
 
-    seconds = {"kvlessons generate": [], "transformers generate": []}
-    steps = []
-    for round_ in range(repeats + 1):
-        for name, fn in (("kvlessons generate", kvlessons_side), ("transformers generate", transformers_side)):
-            s = _timed(fn, dev)
-            if round_:
-                seconds[name].append(s / new_tokens)
-        if round_:
-            steps.append(statistics.median(out["ours"].step_times[1:]))
+    seconds = interleaved_calls({"kvlessons generate": kvlessons_side, "transformers generate": transformers_side},
+                                repeats, dev)
     weights = sum(p.numel() * p.element_size() for p in ours.parameters())
-    cache = kv_cache_bytes(ours.shape, ids.shape[1] + new_tokens - 1, 1, {torch.float32: "fp32"}.get(dtype, "bf16"))
-    return {"seconds": seconds, "same_tokens": torch.equal(out["ours"].new_tokens.cpu(), out["peer"].cpu()),
-            "step_bytes": weights + cache, "step_seconds": steps, "prompt_len": ids.shape[1]}
+    cache = kv_cache_bytes(ours.shape, ids.shape[1] + new_tokens - 1, 1, dtype_name(dtype))
+    return {"seconds": {name: [s / new_tokens for s in values] for name, values in seconds.items()},
+            "same_tokens": torch.equal(out["ours"].new_tokens.cpu(), out["peer"].cpu()),
+            "step_bytes": weights + cache, "step_seconds": steps[1:], "prompt_len": ids.shape[1]}
 
 
 def format_generate_comparison(result: dict, bandwidth: float) -> str:

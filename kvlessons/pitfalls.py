@@ -394,30 +394,11 @@ def decode_cost(model, prompt_len: int, new_tokens: int, repeats: int = 5) -> di
     ``repeats`` rounds (:func:`kvlessons.bench.interleaved_decode`). Returns its runs, keyed
     "torch.cat" and "preallocated"; :func:`kvlessons.bench.format_decode_comparison` prints them.
     """
-    from .bench import interleaved_decode
-    from .cache import StaticCache
+    from .bench import _random_ids, greedy_stepper, interleaved_decode
 
     require_positive_int("prompt_len", prompt_len)
     require_positive_int("new_tokens", new_tokens)
-    g = torch.Generator().manual_seed(prompt_len)
-    ids = torch.randint(model.config.vocab_size, (1, prompt_len), generator=g).to(model.device)
-
-    def decoding(new_cache):
-        def start():
-            cache = new_cache()
-            with torch.inference_mode():
-                chosen = model(ids, cache=cache, last_only=True)[:, -1].argmax(-1, keepdim=True)
-
-            @torch.inference_mode()
-            def step():
-                nonlocal chosen
-                chosen = model(chosen, cache=cache, last_only=True)[:, -1].argmax(-1, keepdim=True)
-                return chosen
-
-            return step
-
-        return start
-
-    starts = {"torch.cat": decoding(ConcatCache),
-              "preallocated": decoding(lambda: StaticCache(prompt_len + new_tokens))}
+    ids = _random_ids(model, 1, prompt_len, seed=prompt_len)
+    starts = {"torch.cat": lambda: greedy_stepper(model, ids, cache=ConcatCache()),
+              "preallocated": lambda: greedy_stepper(model, ids, prompt_len + new_tokens)}
     return interleaved_decode(starts, new_tokens, repeats, model.device)

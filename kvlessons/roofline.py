@@ -25,6 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ._device import device as default_device
+from .bench import interleaved_calls, median_and_quartiles, ratio_sentence
+from .cache import StaticCache
+from .memory import preset
 from .memory.formats import storage_format
 from .memory.formula import kv_cache_bytes, tokens_held
 from .shape import ModelShape, require_positive_int
@@ -193,24 +197,8 @@ class Measured:
     @property
     def spread(self) -> tuple[float, float]:
         """(first quartile, third quartile)."""
-        from .bench import median_and_quartiles
-
         _, low, high = median_and_quartiles(self.values)
         return low, high
-
-
-def _interleaved(contenders: dict, repeats: int, dev) -> dict[str, list[float]]:
-    """Seconds of each ``fn()`` in ``contenders``, timed in rounds A, B, C, A, B, C, ...; round 0 is a warm-up."""
-    from .bench import _timed
-
-    require_positive_int("repeats", repeats)
-    seconds = {name: [] for name in contenders}
-    for round_ in range(repeats + 1):
-        for name, fn in contenders.items():
-            s = _timed(fn, dev)
-            if round_:
-                seconds[name].append(s)
-    return seconds
 
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -244,8 +232,6 @@ def measure_ceilings(dtypes=("fp32", "bf16"), read_bytes: int = 256 * 2**20, mat
     the sum reads every byte once and writes one number. Throughput: an n x n by n x n
     product, 2 n^3 FLOPs (n = 1024 on a CPU, 8192 on a GPU unless ``matmul_size``).
     """
-    from ._device import device as default_device
-
     require_positive_int("read_bytes", read_bytes)
     if read_bytes < 4:
         raise ValueError(f"read_bytes must hold at least one float32 value (4 bytes), got {read_bytes}")
@@ -259,7 +245,7 @@ def measure_ceilings(dtypes=("fp32", "bf16"), read_bytes: int = 256 * 2**20, mat
     for name in dtypes:
         a = torch.randn(n, n, generator=g).to(device=dev, dtype=_torch_dtype(name))
         contenders[name] = (lambda a: lambda: a @ a)(a)
-    seconds = _interleaved(contenders, repeats, dev)
+    seconds = interleaved_calls(contenders, repeats, dev)
     bandwidth = Measured(tuple(data.nbytes / s for s in seconds["read"]))
     flops = {name: Measured(tuple(2 * n**3 / s for s in seconds[name])) for name in dtypes}
     return Ceilings(bandwidth, flops, str(dev))
@@ -271,8 +257,6 @@ def filled_cache(model, batch: int, context: int, room: int = 1, seed: int = 0):
     A decode step costs the same whatever its cache holds, so a benchmark can start from
     a long cache without paying for the prefill that would have made it.
     """
-    from .cache import StaticCache
-
     require_positive_int("batch", batch)
     require_positive_int("context", context)
     shape, dtype = model.shape, next(model.parameters()).dtype
@@ -331,7 +315,7 @@ def measure_decode_steps(models: dict, batches=(1, 4, 16, 64), contexts=(16, 256
                 key = (dtype, batch, context)
                 settings.append((key, decode_step_cost(model.shape, params, batch, context, dtype)))
                 steps[key] = step
-    seconds = _interleaved(steps, repeats, next(iter(models.values())).device)
+    seconds = interleaved_calls(steps, repeats, next(iter(models.values())).device)
     return [DecodePoint(*key, cost, Measured(tuple(seconds[key]))) for key, cost in settings]
 
 
@@ -370,8 +354,6 @@ def batch_scaling(points: list[DecodePoint]) -> list[str]:
         if one.batch == big.batch:
             continue
         ratios = [b / a for a, b in zip(one.seconds.values, big.seconds.values)]  # paired by round
-        from .bench import median_and_quartiles
-
         mid, low, high = median_and_quartiles(ratios)
         per_token = big.batch / one.batch / mid
         sentences.append(
@@ -384,8 +366,6 @@ def batch_scaling(points: list[DecodePoint]) -> list[str]:
 def dtype_comparison(points: list[DecodePoint], faster: str = "bf16", baseline: str = "fp32") -> list[str]:
     """For every batch and context measured in both dtypes: how ``faster`` compared with ``baseline``, from the
     per-round paired times (:func:`kvlessons.bench.ratio_sentence`, which says when noise allows no claim)."""
-    from .bench import ratio_sentence
-
     by_key = {(p.dtype, p.batch, p.context): p for p in points}
     sentences = []
     for (dtype, batch, context), p in by_key.items():
@@ -405,8 +385,6 @@ def accelerator_rows(preset_name: str = "Llama-3-8B", batches=(1, 64), context: 
     predicted ms per step, the tokens per second of the whole batch at that bound and
     which ceiling binds. Published peaks are rarely reached: these are floors, not forecasts.
     """
-    from .memory import preset
-
     p = preset(preset_name)
     rows = []
     for acc in accelerators:

@@ -1,5 +1,6 @@
 """Lesson 01's timing contenders: recomputing and prefilling do the work greedy decoding with a cache does."""
 
+import pytest
 import torch
 
 from conftest import random_ids, small_model
@@ -51,3 +52,25 @@ def test_interleaved_recompute_and_cache_agree():
     text = bench.format_decode_comparison(runs, baseline="cache")
     assert "every side chose the same tokens" in text
     assert all(len(run["seconds"]) == 2 for run in runs.values())
+
+
+def test_interleaved_calls_alternates_and_drops_the_warm_up_round():
+    from kvlessons.bench import interleaved_calls
+
+    order = []
+    seconds = interleaved_calls({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, repeats=3, device="cpu")
+    assert order == ["a", "b"] * 4  # round 0 (warm-up) and 3 timed rounds, A, B, A, B, ...
+    assert [len(v) for v in seconds.values()] == [3, 3]
+    with pytest.raises(ValueError, match="repeats"):
+        interleaved_calls({"a": lambda: None}, repeats=0, device="cpu")
+
+
+def test_greedy_stepper_runs_on_any_cache_it_is_given():
+    from kvlessons.cache import ConcatCache
+
+    model, ids = small_model(), random_ids(1, 5)
+    static, concat = bench.greedy_stepper(model, ids, 5 + 4), bench.greedy_stepper(model, ids, cache=ConcatCache())
+    assert torch.equal(torch.cat([static() for _ in range(4)], 1), torch.cat([concat() for _ in range(4)], 1))
+    for args in ({}, {"max_len": 9, "cache": ConcatCache()}):
+        with pytest.raises(ValueError, match="exactly one"):
+            bench.greedy_stepper(model, ids, **args)
