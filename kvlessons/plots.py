@@ -195,7 +195,7 @@ def plot_roofline(ceilings, points, title: str = ""):
     intensities = [p.cost.intensity for p in points]
     x = np.geomspace(min(intensities) / 2, max(intensities + [max(ceilings.ridge(d) for d in ceilings.flops)]) * 2, 200)
     bw = ceilings.bandwidth.median
-    markers = {"context": ["o", "s", "^", "D"]}
+    markers = ["o", "s", "^", "D"]  # one per context
     contexts = sorted({p.context for p in points})
     for i, dtype in enumerate(ceilings.flops):
         color = f"C{i}"
@@ -209,13 +209,13 @@ def plot_roofline(ceilings, points, title: str = ""):
             low, high = p.seconds.spread
             achieved = p.cost.flops / p.seconds.median / 1e9
             err = [[achieved - p.cost.flops / high / 1e9], [p.cost.flops / low / 1e9 - achieved]]
-            m = markers["context"][contexts.index(p.context) % 4]
+            m = markers[contexts.index(p.context) % 4]
             ax.errorbar(p.cost.intensity, achieved, yerr=err, fmt=m, color=color, ms=5, capsize=2)
             below = contexts.index(p.context) % 2  # the two contexts' labels on opposite sides of their points
             ax.annotate(str(p.batch), (p.cost.intensity, achieved), textcoords="offset points",
                         xytext=(5, -11) if below else (-9, 5), fontsize=7, color=color)
     for j, c in enumerate(contexts):
-        ax.plot([], [], markers["context"][j % 4], color="gray", label=f"measured, context {c} (label: batch)")
+        ax.plot([], [], markers[j % 4], color="gray", label=f"measured, context {c} (label: batch)")
     ax.set_xscale("log")
     return _log_log(fig, ax, "arithmetic intensity (FLOPs per byte read)", "GFLOP/s achieved", title)
 
