@@ -67,8 +67,10 @@ def kv_group_size(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
     """Return how many query heads read each KV head, after checking q, k, v are shaped for attention."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k and v must be 4-D (batch, heads, tokens, head_dim)")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must hold the same (batch, heads, tokens), got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must have the same head_dim, got {q.shape[-1]} and {k.shape[-1]}")
     h_q, h_kv = q.shape[1], k.shape[1]
     if h_q % h_kv:
         raise ValueError(f"query heads ({h_q}) must be a multiple of KV heads ({h_kv})")
@@ -91,19 +93,22 @@ def attend(
     v: torch.Tensor,
     mask: torch.Tensor | None = None,
     window: int | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """Return attention output ``(B, H_q, T, D)`` for new queries over all keys.
+    """Return attention output ``(B, H_q, T, D_v)`` for new queries over all keys.
 
     q: (B, H_q, T, D), the new tokens' queries.
-    k, v: (B, H_kv, S, D), cached keys/values followed by the new ones (S >= T).
+    k, v: (B, H_kv, S, D) and (B, H_kv, S, D_v), cached keys/values followed by the new
+    ones (S >= T); D_v is D but for latent attention (:mod:`kvlessons.mla`).
     mask: optional bool mask broadcastable to (B, H_q, T, S). When omitted, the
     bottom-right causal mask is used for T > 1; a single query needs none, because
     the cache only holds positions at or before it (unless a window cuts it).
+    scale: what scores are multiplied by; 1/sqrt(D) when omitted.
     """
     group_size = kv_group_size(q, k, v)
     mask = _attention_mask(q, k, mask, window)
     # enable_gqa lets SDPA read each KV head for its whole group of query heads.
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=group_size > 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=group_size > 1, scale=scale)
 
 
 def reference_attention(
@@ -113,6 +118,7 @@ def reference_attention(
     mask: torch.Tensor | None = None,
     window: int | None = None,
     return_weights: bool = False,
+    scale: float | None = None,
 ):
     """Return the attention output ``(B, H_q, T, D)``, written out step by step; with
     ``return_weights``, the pair (output, weights ``(B, H_q, T, S)``).
@@ -120,7 +126,7 @@ def reference_attention(
     The same arguments, mask defaults and result as :func:`attend`, computed as
     Vaswani et al. 2017 (arXiv 1706.03762) write it in equation 1:
     ``softmax(q k^T / sqrt(D))`` over the keys a query may see, then the weighted sum
-    of the values. Each row of the weights sums to 1.
+    of the values. Each row of the weights sums to 1. ``scale`` replaces 1/sqrt(D), as in :func:`attend`.
 
     Grouped-query attention is done in the grouped layout: the g query heads that
     read one KV head are stacked along the query axis, so one matmul per KV head
@@ -132,7 +138,8 @@ def reference_attention(
     b, h_q, t, d = q.shape
     h_kv, s = k.shape[1], k.shape[2]
     qg = q.reshape(b, h_kv, group_size * t, d)  # (B, H_kv, g*T, D): query head h is in group h // g
-    scores = (qg @ k.transpose(-1, -2) / d**0.5).view(b, h_kv, group_size, t, s)  # (B, H_kv, g, T, S)
+    scores = qg @ k.transpose(-1, -2)
+    scores = (scores / d**0.5 if scale is None else scores * scale).view(b, h_kv, group_size, t, s)  # (B, H_kv, g, T, S)
     if mask is not None:
         if mask.dtype != torch.bool:
             raise ValueError(f"mask must be a bool tensor, True where a query may attend, got {mask.dtype}")
@@ -140,7 +147,7 @@ def reference_attention(
         mask = mask.unsqueeze(2) if mask.shape[1] == 1 else mask.unflatten(1, (h_kv, group_size))
         scores = scores.masked_fill(~mask, float("-inf"))  # a hidden key gets weight exactly 0
     weights = scores.softmax(-1)  # (B, H_kv, g, T, S)
-    out = (weights.view(b, h_kv, group_size * t, s) @ v).view(b, h_q, t, d)  # (B, H_q, T, D)
+    out = (weights.view(b, h_kv, group_size * t, s) @ v).view(b, h_q, t, v.shape[-1])  # (B, H_q, T, D_v)
     return (out, weights.view(b, h_q, t, s)) if return_weights else out
 
 

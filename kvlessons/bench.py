@@ -1,4 +1,4 @@
-"""Measurements the lessons quote (01, 04, 05, 06, 07, 08): ``python -m kvlessons.bench`` prints them as a table.
+"""Measurements the lessons quote (01, 04, 05, 06, 07, 08, 09): ``python -m kvlessons.bench`` prints them as a table.
 
 Timings are wall-clock on whatever device is present, with GPU work synchronised;
 they are never asserted in unit tests, only reported.
@@ -414,6 +414,63 @@ def format_table(rows: list[dict], modes=MODES) -> str:
     return "\n".join(lines)
 
 
+def mla_times(model, decode_lengths=(256, 1024, 4096), prefill_lengths=(256, 1024), repeats: int = 5, seed: int = 0) -> dict:
+    """Seconds of latent attention's two ways (``model.decode`` "naive" and "absorbed") on one MLADecoder.
+
+    Returns ``{"decode": {S: {mode: [seconds]}}, "prefill": {S: {mode: [seconds]}}}``:
+    a decode step is one token after S cached ones (both ways read the same cache,
+    cropped back to S after every step), a prefill is S tokens without a cache. At each
+    length the two ways are timed in alternating rounds, so their repeats pair up for
+    :func:`ratio_sentence`. The model's ``decode`` is restored afterwards.
+    """
+    from .mla import DECODE_MODES
+
+    for n in (*decode_lengths, *prefill_lengths):
+        require_positive_int("length", n)
+    mode_before = model.decode
+    out = {"decode": {}, "prefill": {}}
+    try:
+        with torch.inference_mode():
+            for n in decode_lengths:
+                ids = _random_ids(model, 1, n + 1, seed)
+                cache = StaticCache(n + 1)
+                model(ids[:, :n], cache=cache)
+
+                def step(mode, ids=ids, cache=cache, n=n):
+                    def run():
+                        model.decode = mode
+                        model(ids[:, n:], cache=cache)
+                        cache.crop(n)
+                    return run
+
+                out["decode"][n] = interleaved_calls({m: step(m) for m in DECODE_MODES}, repeats, model.device)
+            for n in prefill_lengths:
+                ids = _random_ids(model, 1, n, seed)
+
+                def prefill(mode, ids=ids):
+                    def run():
+                        model.decode = mode
+                        model(ids)
+                    return run
+
+                out["prefill"][n] = interleaved_calls({m: prefill(m) for m in DECODE_MODES}, repeats, model.device)
+    finally:
+        model.decode = mode_before
+    return out
+
+
+def format_mla_times(times: dict) -> str:
+    """:func:`mla_times` as lines: median ms of each way, and which was faster, with the spread of the paired ratios."""
+    lines = []
+    for kind, label in (("decode", "decode step after {n:,} cached"), ("prefill", "prefill of {n:,} tokens")):
+        for n, runs in times[kind].items():
+            ms = "  ".join(f"{m} {median_and_quartiles(v)[0] * 1e3:.2f} ms" for m, v in runs.items())
+            faster = min(runs, key=lambda m: median_and_quartiles(runs[m])[0])
+            other = next(m for m in runs if m != faster)
+            lines.append(f"{label.format(n=n):<32}{ms}   {ratio_sentence(faster, runs[faster], other, runs[other])}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description="Decode time per token: recompute vs ConcatCache vs StaticCache.")
     parser.add_argument("--lengths", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
@@ -441,6 +498,13 @@ def main(argv=None) -> None:
     print(f"median (quartiles) of {paged_repeats} repeats, the two sides timed alternately")
     paged = {n: paged_decode_time(n, repeats=paged_repeats, device=dev) for n in args.paged_lengths}
     print(format_paged_table(paged))
+    from .mla import MLAConfig, MLADecoder
+
+    mla = MLADecoder(MLAConfig()).to(dev).eval()
+    print()
+    print(f"Latent attention (MLA), naive vs absorbed, tiny model {mla.config.shape}: median of {args.repeats} "
+          f"interleaved repeats")
+    print(format_mla_times(mla_times(mla, repeats=args.repeats)))
     if args.real_model:
         import importlib.util
 

@@ -40,14 +40,20 @@ class CacheInterruptedError(RuntimeError):
     """A cache whose restore after a failed forward pass did not finish: only ``reset()`` is safe."""
 
 
-def _check_kv(k: torch.Tensor, v: torch.Tensor, held: torch.Tensor | None = None) -> None:
-    """k and v are (B, H_kv, T, D) alike, and match what a layer already ``held`` (but for T)."""
+def _check_kv(k: torch.Tensor, v: torch.Tensor | None, held: torch.Tensor | None = None, held_v=False) -> None:
+    """k and v are (B, H_kv, T, D) alike, and match what a layer already ``held`` (but for T).
+
+    ``v=None`` is a keys-only write (MLA's latent cache, :mod:`kvlessons.mla`): the layer
+    stores one tensor per token, and a layer that holds keys only (``held_v`` is None)
+    must stay so, as must one that holds both (``held_v`` a tensor). ``held_v=False``: not checked.
+    """
     if k.dim() != 4:
         raise ValueError(f"k must be (batch, kv_heads, tokens, head_dim), got shape {tuple(k.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if k.dtype != v.dtype or k.device != v.device:
-        raise ValueError(f"k and v must share dtype and device, got {k.dtype}/{k.device} and {v.dtype}/{v.device}")
+    if v is not None:
+        if k.shape != v.shape:
+            raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        if k.dtype != v.dtype or k.device != v.device:
+            raise ValueError(f"k and v must share dtype and device, got {k.dtype}/{k.device} and {v.dtype}/{v.device}")
     if held is not None:
         if k.shape[:2] != held.shape[:2] or k.shape[3] != held.shape[3]:
             raise ValueError(
@@ -55,6 +61,9 @@ def _check_kv(k: torch.Tensor, v: torch.Tensor, held: torch.Tensor | None = None
             )
         if k.dtype != held.dtype or k.device != held.device:
             raise ValueError(f"new k is {k.dtype} on {k.device}, the cache holds {held.dtype} on {held.device}")
+        if held_v is not False and (held_v is None) != (v is None):
+            stored = "keys only (a latent cache)" if held_v is None else "keys and values"
+            raise ValueError(f"v must be {'None' if held_v is None else 'a tensor'}: this layer stores {stored}")
 
 
 def _check_crop(length: int, held: int) -> None:
@@ -83,8 +92,12 @@ class LayerCache:
         self.seq_len = 0  # tokens appended to this layer; an explicit counter, never read off the data
         self.bytes_written = 0  # bytes of K/V memory written by updates (copies included)
 
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store ``k, v`` (B, H_kv, T, D) after what is held; return all held K and V."""
+    def update(self, k: torch.Tensor, v: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Store ``k, v`` (B, H_kv, T, D) after what is held; return all held K and V.
+
+        ``v=None`` stores keys only and returns (all keys, None): a latent (MLA) layer's
+        one vector per token, whose first columns serve as its values (:mod:`kvlessons.mla`).
+        """
         raise NotImplementedError
 
     @property
@@ -154,14 +167,12 @@ class ConcatLayer(LayerCache):
         self._v: torch.Tensor | None = None
 
     def update(self, k, v):
-        _check_kv(k, v, self._k)
-        if self._k is None:
-            # clone: k may be a view that pins a larger tensor (and the caller may reuse it)
-            new_k, new_v = k.clone(), v.clone()
-        else:
-            new_k, new_v = torch.cat([self._k, k], dim=2), torch.cat([self._v, v], dim=2)
+        _check_kv(k, v, self._k, self._v)
+        # clone the first write: k may be a view that pins a larger tensor (and the caller may reuse it)
+        new_k = k.clone() if self._k is None else torch.cat([self._k, k], dim=2)
+        new_v = None if v is None else v.clone() if self._v is None else torch.cat([self._v, v], dim=2)
         self._k, self._v = new_k, new_v  # replaced, never written into: a snapshot can keep the old ones
-        self.bytes_written += new_k.nbytes + new_v.nbytes  # cat writes the whole new tensor
+        self.bytes_written += new_k.nbytes + (0 if new_v is None else new_v.nbytes)  # cat writes the whole new tensor
         self.seq_len += k.shape[2]
         return self._k, self._v
 
@@ -179,7 +190,8 @@ class ConcatLayer(LayerCache):
 
     def _keep_first(self, length):
         # clone: a slice would keep the whole old tensor alive behind a smaller view
-        self._k, self._v = self._k[:, :, :length].clone(), self._v[:, :, :length].clone()
+        self._k = self._k[:, :, :length].clone()
+        self._v = None if self._v is None else self._v[:, :, :length].clone()
 
 
 class StaticLayer(LayerCache):
@@ -201,7 +213,7 @@ class StaticLayer(LayerCache):
         _check_capacity(self.max_len, self.seq_len, new_tokens)
 
     def update(self, k, v):
-        _check_kv(k, v, self._k)
+        _check_kv(k, v, self._k, self._v)
         t = k.shape[2]
         self.check_room(t)
         if self._k is None:
@@ -210,12 +222,13 @@ class StaticLayer(LayerCache):
             # caller is inside torch.inference_mode().
             with torch.inference_mode(False):
                 self._k = torch.zeros(b, h, self.max_len, d, dtype=k.dtype, device=k.device)
-                self._v = torch.zeros(b, h, self.max_len, d, dtype=v.dtype, device=v.device)
+                self._v = None if v is None else torch.zeros(b, h, self.max_len, d, dtype=v.dtype, device=v.device)
         start = self.seq_len
         with torch.no_grad():  # the cache stores values, it is not part of a training graph
             self._k[:, :, start : start + t] = k
-            self._v[:, :, start : start + t] = v
-        self.bytes_written += k.nbytes + v.nbytes  # only the new positions
+            if v is not None:
+                self._v[:, :, start : start + t] = v
+        self.bytes_written += k.nbytes + (0 if v is None else v.nbytes)  # only the new positions
         self.seq_len += t
         return self.keys, self.values
 
@@ -305,6 +318,8 @@ class SlidingWindowLayer(LayerCache):
         self._first = max(self._first, end - self.window)
 
     def update(self, k, v):
+        if v is None:
+            raise ValueError("v must be a tensor: a sliding-window layer stores keys and values (no latent caches)")
         old_k, old_v = self.keys, self.values
         _check_kv(k, v, self._k)
         self.check_room(k.shape[2])

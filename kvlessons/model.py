@@ -57,6 +57,11 @@ class TinyConfig:
                 )
 
     @property
+    def rope_dim(self) -> int:
+        """Width of what RoPE rotates: every query and key dimension."""
+        return self.head_dim
+
+    @property
     def shape(self) -> ModelShape:
         """The cache-relevant shape of this model."""
         return ModelShape(
@@ -244,11 +249,13 @@ class Block(nn.Module):
     its queries, MLP and the later blocks.
     """
 
-    def __init__(self, config: TinyConfig, window: int | None = None, projects_kv: bool = True, global_kv: bool = False):
+    def __init__(self, config: TinyConfig, window: int | None = None, projects_kv: bool = True, global_kv: bool = False,
+                 attention: nn.Module | None = None):
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.kv_norm = RMSNorm(config.hidden_size, config.norm_eps) if global_kv else None
-        self.attn = Attention(config, window, projects_kv)
+        # ``attention``: another kind of attention with the same call (kvlessons.mla's latent attention)
+        self.attn = Attention(config, window, projects_kv) if attention is None else attention
         self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = MLP(config)
 
@@ -352,7 +359,7 @@ class TinyDecoder(nn.Module):
                 )
             positions = positions_from_padding(pad_mask)[:, start:]  # (B, T): real tokens only
             mask = padded_causal_mask(pad_mask, t)
-        cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta)
+        cos, sin = rope_tables(positions, self.config.rope_dim, self.config.rope_theta)
         dtype = self.embed.weight.dtype
         return cache, cos.to(dtype), sin.to(dtype), self.embed(ids), mask
 

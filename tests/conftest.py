@@ -14,6 +14,7 @@ from kvlessons.fp4 import QuantizedCache
 from kvlessons.model import TinyConfig, TinyDecoder
 from kvlessons.paging import PagedKVCache
 from kvlessons.crosslayer import YOCODecoder
+from kvlessons.mla import MLAConfig, MLADecoder
 
 # Storage kinds that take any TinyDecoder: name -> factory(max_tokens).
 STORAGE_KINDS = {
@@ -53,11 +54,21 @@ class CacheVariant:
     overrides: dict = field(default_factory=dict)  # small_config keyword overrides
     yoco_window: int | None = None  # build a YOCODecoder with this window instead of a TinyDecoder
     max_batch: int = 2  # a paged view serves one sequence
+    mla: dict | None = None  # build an MLADecoder: MLA_SMALL with these changes (overrides is not used)
 
     def model(self, q_heads=4, kv_heads=2, dev=None, seed=0, **more):
-        config = small_config(q_heads, kv_heads, seed, **{**self.overrides, **more})
-        model = TinyDecoder(config) if self.yoco_window is None else YOCODecoder(config, window=self.yoco_window)
+        if self.mla is not None:  # latent attention has no KV heads: kv_heads does not apply
+            model = MLADecoder(MLAConfig(**{**MLA_SMALL, "q_heads": q_heads, "seed": seed, **self.mla, **more}))
+        else:
+            config = small_config(q_heads, kv_heads, seed, **{**self.overrides, **more})
+            model = TinyDecoder(config) if self.yoco_window is None else YOCODecoder(config, window=self.yoco_window)
         return model.to(dev or "cpu").eval()
+
+
+# A small latent-attention model: 12 latent + 4 rotary values cached per token per layer
+# (16: a whole NVFP4 block, so the quantized cache can hold it).
+MLA_SMALL = dict(vocab_size=50, hidden_size=32, layers=2, kv_lora_rank=12, qk_rope_head_dim=4, qk_nope_head_dim=8,
+                 v_head_dim=8, mlp_hidden=48)
 
 
 # Every cache variant, so the "cached equals uncached" and "all or nothing" tests cover each.
@@ -72,6 +83,12 @@ CACHE_VARIANTS = {
     "cla-static": CacheVariant(lambda model, n: StaticCache(n), overrides={"layers": 4, "kv_owners": (0, 0, 2, 2)}),
     "yoco-concat": CacheVariant(lambda model, n: ConcatCache(), overrides={"layers": 4}, yoco_window=3),
     "yoco-static": CacheVariant(lambda model, n: StaticCache(n), overrides={"layers": 4}, yoco_window=3),
+    # Latent attention (kvlessons.mla): the cache stores one latent row per token per layer.
+    "mla-absorbed-concat": CacheVariant(lambda model, n: ConcatCache(), mla={"decode": "absorbed"}),
+    "mla-naive-static": CacheVariant(lambda model, n: StaticCache(n), mla={"decode": "naive"}),
+    "mla-absorbed-static-qlora": CacheVariant(lambda model, n: StaticCache(n), mla={"decode": "absorbed", "q_lora_rank": 16}),
+    "mla-absorbed-paged": CacheVariant(paged_view, max_batch=1, mla={"decode": "absorbed"}),
+    "mla-quantized-tail": CacheVariant(lambda model, n: QuantizedCache("nvfp4", residual=n), mla={"decode": "absorbed"}),
 }
 
 

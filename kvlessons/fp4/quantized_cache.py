@@ -96,21 +96,24 @@ class QuantizedLayer(LayerCache):
         """A tensor with the held (batch, kv_heads, head_dim), dtype and device, for ``_check_kv``."""
         if self._tail[0] is not None:
             return self._tail[0]
-        q = self._stored[0]
+        q = self._stored[0]  # (a keys-only layer, see update, holds nothing at index 1)
         return None if q is None else torch.empty(*q.shape[:2], 0, q.shape[3], dtype=q.dtype, device=q.data.device)
 
     def update(self, k, v):
-        _check_kv(k, v, self._held_like())
+        held_v = False if self.seq_len == 0 else (self._stored[1] if self._stored[1] is not None else self._tail[1])
+        _check_kv(k, v, self._held_like(), held_v)
+        parts = (k,) if v is None else (k, v)  # v=None: keys only, a latent (MLA) layer's one tensor
         block = self.block if self.fmt == "nvfp4" else 1
-        for name, x in (("k", k), ("v", v)):
+        for name, x in zip(("k", "v"), parts):
             _check_input(x, block, packed=self.fmt != "fp8", name=name)
         # Compute everything for K and V first and store it after, so a failure stores neither.
         scales = self._scales
         if scales[0] is None:  # the first write: calibrate, or put the given scales on its device
             scales = [_tensor_scale(x, given, FORMAT_MAX[self.fmt], name)
-                      for x, given, name in zip((k, v), self.given_scales, ("k_scale", "v_scale"))]
+                      for x, given, name in zip(parts, self.given_scales, ("k_scale", "v_scale"))]
+            scales += [None] * (2 - len(parts))
         stored, tail = list(self._stored), list(self._tail)
-        for which, x in enumerate((k, v)):
+        for which, x in enumerate(parts):
             recent = x if tail[which] is None else torch.cat([tail[which], x], dim=2)
             spill = recent.shape[2] - self.residual
             if spill > 0:  # the oldest tokens leave the tail: quantize them
@@ -135,10 +138,10 @@ class QuantizedLayer(LayerCache):
         """Keep the first ``length`` tokens, in new tensors (the held ones are never written into)."""
         n_quantized = self.quantized_len
         if length <= n_quantized:
-            self._stored = [_first_tokens(q, length) for q in self._stored]
+            self._stored = [None if q is None else _first_tokens(q, length) for q in self._stored]
             self._tail = [None, None]
         else:
-            self._tail = [t[:, :, : length - n_quantized].clone() for t in self._tail]
+            self._tail = [None if t is None else t[:, :, : length - n_quantized].clone() for t in self._tail]
 
 
 class QuantizedCache(KVCache):

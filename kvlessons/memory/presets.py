@@ -72,6 +72,14 @@ PRESETS: dict[str, Preset] = {
                 "72 KiB per token in fp32, which GPT-2 runs in by default", vocab=50257, tied=True),
         _preset("SmolLM2-135M", 30, 9, 3, 64, 576, 134_515_008, 8_192,
                 "HuggingFaceTB/SmolLM2-135M config.json; the capstone's model", "GQA, 3 query heads per KV head", vocab=49152, tied=True),
+        _preset("DeepSeek-V2-Lite", 27, 16, 16, 128, 2048, 15_700_000_000, 32_768,
+                "deepseek-ai/DeepSeek-V2-Lite config.json (kv_lora_rank 512, qk_rope_head_dim 64, no query compression); "
+                "DeepSeek-AI 2024 (arXiv 2405.04434); parameters as published (15.7B)",
+                "MLA: one 576-wide latent (512 + 64 rotary) per layer per token", latent_dim=576, vocab=102400, experts=True),
+        _preset("DeepSeek-V2", 60, 128, 128, 128, 5120, 236_000_000_000, 131_072,
+                "deepseek-ai/DeepSeek-V2 config.json (kv_lora_rank 512, qk_rope_head_dim 64, q_lora_rank 1536); "
+                "DeepSeek-AI 2024 (arXiv 2405.04434); parameters as published (236B)",
+                "MLA: one 576-wide latent (512 + 64 rotary) per layer per token", latent_dim=576, vocab=102400, experts=True),
         _preset("DeepSeek-V3", 61, 128, 128, 128, 7168, 671_026_419_200, 131_072,
                 "deepseek-ai/DeepSeek-V3 config.json (kv_lora_rank 512, qk_rope_head_dim 64); DeepSeek-AI 2024 (arXiv 2412.19437)",
                 "MLA: caches one 576-wide latent (512 + 64 rotary) per layer per token, not K/V per head",

@@ -32,21 +32,23 @@ def slot_indices(block_table: list[int] | torch.Tensor, seq_len: int, block_size
     return table[pos // block_size] * block_size + pos % block_size
 
 
-def gather_kv(pool: torch.Tensor, block_table, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv(pool: torch.Tensor, block_table, seq_len: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One sequence's keys and values, each (1, H_kv, seq_len, D), from a pool (2, H_kv, num_blocks, block_size, D).
+
+    A latent (MLA) pool, (1, 1, num_blocks, block_size, latent_dim), holds keys only: its values are None.
 
     One index per block (not per token), for K and V and every head at once: the
     sequence's blocks, in table order, become one run of rows per head, and the slots of
     the last block past ``seq_len`` are left out. The two results are views of one new
     tensor, already in the layout attention reads (see the module's docstring).
     """
-    _, h_kv, _, block_size, d = pool.shape
+    parts, h_kv, _, block_size, d = pool.shape
     n = -(-seq_len // block_size)  # the blocks holding positions 0 .. seq_len - 1
     table = torch.as_tensor(block_table, dtype=torch.long, device=pool.device)
     if len(table) < n:
         raise ValueError(f"{seq_len} positions need {n} blocks of {block_size}; the block table holds {len(table)}")
-    k, v = pool.index_select(2, table[:n]).view(2, 1, h_kv, n * block_size, d)[..., :seq_len, :].unbind(0)
-    return k, v
+    k, *v = pool.index_select(2, table[:n]).view(parts, 1, h_kv, n * block_size, d)[..., :seq_len, :].unbind(0)
+    return k, (v[0] if v else None)
 
 
 def paged_attention(q: torch.Tensor, pool: torch.Tensor, block_table, seq_len: int) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 ``PagedKVCache`` holds one pool per cache layer, the keys and values of every block,
 (2, kv_heads, num_blocks, block_size, head_dim) (the layout is explained in
-``kvlessons.paging.attention``), on top of the block tables; ``view(seq_id)`` is a cache
+``kvlessons.paging.attention``), or for a latent (MLA) model the one latent row of every
+slot, (1, 1, num_blocks, block_size, latent_dim), on top of the block tables; ``view(seq_id)`` is a cache
 with the course's interface, so the model runs on a paged sequence unchanged.
 """
 
@@ -25,10 +26,13 @@ class PagedKVCache(BlockTables):
 
     def __init__(self, shape: ModelShape, num_blocks: int, block_size: int = 16, dtype=torch.float32, device=None, prefix_sharing: bool = True):
         super().__init__(num_blocks, block_size, prefix_sharing)
-        if shape.latent_dim is not None or any(shape.window(i) is not None for i in range(shape.layers)):
-            raise ValueError("PagedKVCache stores full-attention K/V layers (no windows, no latent caches)")
+        if any(shape.window(i) is not None for i in range(shape.layers)):
+            raise ValueError("PagedKVCache stores full-attention layers (shape must have no windows)")
         self.shape = shape
-        pool = (2, shape.kv_heads, num_blocks, block_size, shape.head_dim)  # K and V, head-major: see .attention
+        if shape.latent_dim is None:
+            pool = (2, shape.kv_heads, num_blocks, block_size, shape.head_dim)  # K and V, head-major: see .attention
+        else:
+            pool = (1, 1, num_blocks, block_size, shape.latent_dim)  # keys only: one latent row per slot
         self.kv_pools = {i: torch.zeros(pool, dtype=dtype, device=device) for i in shape.cache_layers}
 
     def nbytes(self) -> int:
@@ -46,12 +50,14 @@ class PagedKVCache(BlockTables):
                 pool[:, :, dst] = pool[:, :, src]
         return dst
 
-    def _check_write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Raise ValueError unless k, v (1, H_kv, T, D) fit ``layer``'s pools."""
+    def _check_write(self, layer: int, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        """Raise ValueError unless k, v (1, H_kv, T, D) fit ``layer``'s pools (v None: a latent pool's keys only)."""
         if layer not in self.kv_pools:
             raise ValueError(f"layer must be one of this pool's cache layers {sorted(self.kv_pools)}, got {layer}")
         _check_kv(k, v)
-        _, kv_heads, _, _, head_dim = self.kv_pools[layer].shape
+        parts, kv_heads, _, _, head_dim = self.kv_pools[layer].shape
+        if (v is None) != (parts == 1):
+            raise ValueError(f"v must be {'None: this pool stores latents only' if parts == 1 else 'a tensor: this pool stores K and V'}")
         if k.shape[0] != 1:
             raise ValueError(f"k must hold batch size 1 (a paged sequence is one sequence), got batch {k.shape[0]}")
         if k.shape[1] != kv_heads:
@@ -69,12 +75,13 @@ class PagedKVCache(BlockTables):
                 f"reserve() them first (a view's forward pass does)"
             )
         pool = self.kv_pools[layer]
-        _, h, nb, bs, d = pool.shape
+        parts, h, nb, bs, d = pool.shape
         idx = slot_indices(seq.table, seq.length + t, bs, pool.device)[seq.length :]
-        slots = pool.view(2, h, nb * bs, d)  # every head's slots in flat order: slot s of block b is b * bs + s
+        slots = pool.view(parts, h, nb * bs, d)  # every head's slots in flat order: slot s of block b is b * bs + s
         with torch.no_grad():
             slots[0][:, idx] = k[0].to(pool)  # k[0]: (H_kv, T, D)
-            slots[1][:, idx] = v[0].to(pool)
+            if v is not None:
+                slots[1][:, idx] = v[0].to(pool)
 
     def append(self, seq_id: int, keys, values=None, tokens=None) -> None:
         """Append K/V for every cache layer: ``keys[i]``, ``values[i]`` shaped (1, H_kv, T, D), in layer order.
@@ -85,6 +92,8 @@ class PagedKVCache(BlockTables):
         if isinstance(keys, int):  # the bookkeeping-only form
             return super().append(seq_id, keys, tokens)
         layers = list(self.kv_pools)
+        if values is None and self.shape.latent_dim is not None:
+            values = [None] * len(keys)  # a latent pool stores keys only
         if values is None or len(keys) != len(layers) or len(values) != len(layers):
             raise ValueError(f"keys and values must give one (1, H_kv, T, D) tensor per cache layer ({len(layers)})")
         for layer, k, v in zip(layers, keys, values):
@@ -98,8 +107,8 @@ class PagedKVCache(BlockTables):
             self.write(layer, seq_id, k, v)
         self.advance(seq_id, t, tokens)
 
-    def gather(self, layer: int, seq_id: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The sequence's first ``seq_len`` keys and values in ``layer``, each (1, H_kv, seq_len, D)."""
+    def gather(self, layer: int, seq_id: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The sequence's first ``seq_len`` keys and values in ``layer``, each (1, H_kv, seq_len, D) (values None in a latent pool)."""
         seq = self._seq(seq_id)
         return gather_kv(self.kv_pools[layer], seq.table, seq_len)
 
