@@ -510,7 +510,7 @@ def rank_sweep(model, ids: torch.Tensor, ranks) -> list[dict]:
         rows.append({
             "rank": r, "kv_values": kv_values,
             "top1": float((approx.argmax(-1) == full.argmax(-1)).float().mean()),
-            "kl": float((full.exp() * (full - approx)).sum(-1).mean()),
+            "kl": max(0.0, float((full.exp() * (full - approx)).sum(-1).mean())),  # >= 0; rounding can dip below
         })
     return rows
 

