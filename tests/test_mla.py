@@ -14,7 +14,7 @@ from kvlessons.generate import generate
 from kvlessons.memory import kv_cache_bytes, preset
 from kvlessons.mla import (
     MLA_CONFIGS, MLAConfig, MLADecoder, attention_work, config_from_deepseek_v3, from_deepseek_v3, kv_rank_errors,
-    low_rank, low_rank_kv, tiny_deepseek_v3,
+    attention_params, low_rank, low_rank_kv, measured_bytes_per_token, rank_sweep, tiny_deepseek_v3,
 )
 from kvlessons.model import TinyDecoder
 
@@ -242,3 +242,23 @@ def test_low_rank_kv_restores_the_model_even_after_an_interrupt():
         with pytest.raises(KeyboardInterrupt), low_rank_kv(model, 4):
             raise KeyboardInterrupt
         assert torch.equal(model(ids), before)
+
+
+def test_rank_sweep_full_rank_changes_nothing_and_low_rank_does():
+    model = TinyDecoder().eval()
+    ids = random_ids(1, 16, vocab=96, seed=10)
+    full, low = rank_sweep(model, ids, [64, 2])
+    assert full == {"rank": 64, "kv_values": 64, "top1": 1.0, "kl": pytest.approx(0.0, abs=1e-6)}
+    assert low["top1"] < 1.0 and low["kl"] > 1e-3
+
+
+def test_attention_params_and_bytes_per_token_written_out():
+    """Counted from the rule: MHA 2 layers x 4 matrices of 128 x 128; MLA q 128x256, kv_a 128x48, norm 32, kv_b 32x256, o 128x128."""
+    from kvlessons.model import TinyConfig
+
+    mha = TinyDecoder(TinyConfig(kv_heads=8)).eval()
+    assert attention_params(mha) == 2 * 4 * 128 * 128
+    assert measured_bytes_per_token(mha) == 2 * 2 * 8 * 16 * 4  # layers x K,V x heads x head_dim x fp32
+    mla = MLADecoder().eval()
+    assert attention_params(mla) == 2 * (128 * 256 + 128 * 48 + 32 + 32 * 256 + 128 * 128)
+    assert measured_bytes_per_token(mla) == 2 * 48 * 4

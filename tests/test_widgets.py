@@ -91,20 +91,21 @@ def test_estimator_preset_and_its_exact_figure():
     assert box.presets.value == "custom" and "exactly" not in box.view.value
 
 
-def test_estimator_shows_deepseek_as_mla_latents():
-    """DeepSeek-V3 loads as what it caches (one 576-wide latent per layer per token), not as clamped K/V heads."""
-    p = PRESETS["DeepSeek-V3"]
+@pytest.mark.parametrize("name", ["DeepSeek-V2-Lite", "DeepSeek-V2", "DeepSeek-V3"])
+def test_estimator_shows_deepseek_as_mla_latents(name):
+    """A DeepSeek model loads as what it caches (one 576-wide latent per layer per token), not as clamped K/V heads."""
+    p = PRESETS[name]
     box = memory_estimator_widget()
-    box.presets.value = "DeepSeek-V3"
+    box.presets.value = name
     box.sliders["seq_len"].value = 8192
     page = box.view.value
     assert f"<b>{format_bytes(kv_cache_bytes(p.shape, 8192, 8, 'bf16'))}</b>" in page  # 4.29 GiB: MLA's figure
     assert f"<b>{format_bytes(kv_bytes_per_token(p.shape))}</b>" in page and "576 latent values" in page
-    assert "KV head" not in page.split("<table")[0] and "64 KV heads" not in page
+    assert "KV head" not in page.split("<table")[0] and "64 KV heads" not in page and f"{p.shape.kv_heads} KV heads" not in page
     assert box.sliders["kv_heads"].disabled and box.sliders["head_dim"].disabled
     box.dtype.value = "nvfp4"  # the latent in 4.5 bits
     assert f"<b>{format_bytes(kv_cache_bytes(p.shape, 8192, 8, 'nvfp4'))}</b>" in box.view.value
-    box.sliders["layers"].value = 60  # leaves the preset: the K/V sliders count again
+    box.sliders["layers"].value = 40  # leaves the preset: the K/V sliders count again
     assert box.presets.value == "custom" and not box.sliders["kv_heads"].disabled
     assert "576 latent" not in box.view.value
 
