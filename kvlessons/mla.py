@@ -397,7 +397,7 @@ def attention_work(config: MLAConfig, new_tokens: int, cached: int = 0, batch: i
 
 def format_attention_work(config: MLAConfig, lengths=(1024, 32768), dtype="bf16") -> str:
     """A table of :func:`attention_work` (one layer, one sequence) for a decode step and a prefill at each length."""
-    lines = [f"{'one layer, one sequence':<24}{'way':<11}{'cached per token':>17}{'GFLOP':>12}{'cache read':>13}"]
+    lines = [f"{'(one layer, one sequence)':<24}", f"{'pass':<24}{'way':<11}{'cached per token':>17}{'GFLOP':>12}{'cache read':>13}"]
     for n in lengths:
         for label, t, cached in ((f"decode at {n:,}", 1, n - 1), (f"prefill of {n:,}", n, 0)):
             for way, w in attention_work(config, t, cached, dtype=dtype).items():

@@ -15,6 +15,12 @@ def test_mla_bytes_right_and_named_slips():
         (1_152, 4_915_200): "one layer's share",
         (69_120, 3_932_160): "rotary part is missing",
         (69_120, 5_898_240): "values as wide as the keys",
+        (70_272, 4_915_200): "DeepSeek-V3",
+        (69_120, 4_997_120): "DeepSeek-V3",
+        (69_120, 4_800): "KiB",
+        (69_120, 38_400): "one head's share",
+        (60 * (512 + 128 * 64) * 2, 4_915_200): "once per head",
+        (69_100, 4_915_200): "Not 69,100 bytes",  # an exact count: close is not right
     }
     for (latent, kv), words in cases.items():
         fb = exercises.check_mla_bytes(latent, kv)
@@ -34,6 +40,8 @@ def test_absorb_query_right_and_wrong():
         "still d_nope": lambda q, w: q,
         "raised RuntimeError": lambda q, w: q @ w.transpose(-1, -2),
         "returned None": lambda q, w: None,
+        "keep the queries' dtype": lambda q, w: q.double() @ w.double(),
+        "fixed sizes": lambda q, w: q.reshape(2, 3, 4, 6) @ w,  # the sizes the messages print: right there, wrong in a model
     }
     for words, fn in wrong.items():
         fb = exercises.check_absorb_query(fn)

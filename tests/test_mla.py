@@ -262,3 +262,17 @@ def test_attention_params_and_bytes_per_token_written_out():
     mla = MLADecoder().eval()
     assert attention_params(mla) == 2 * (128 * 256 + 128 * 48 + 32 + 32 * 256 + 128 * 128)
     assert measured_bytes_per_token(mla) == 2 * 48 * 4
+
+
+def test_quantized_latent_cache_bytes_equal_the_formula():
+    """An NVFP4 latent cache with a full-precision tail: one row of codes and block scales per token, one tensor scale per layer."""
+    from kvlessons.fp4 import QuantizedCache
+    from kvlessons.memory import quantized_cache_bytes
+
+    config = MLAConfig(**MLA_SMALL)  # latent 12 + 4 = 16 values: one NVFP4 block per token per layer
+    model = MLADecoder(config).eval()
+    cache = QuantizedCache("nvfp4", residual=4)
+    with torch.inference_mode():
+        model(random_ids(1, 19, seed=11), cache=cache)
+    # written out: 2 layers x (15 tokens x (8 B of codes + 1 B scale) + 4 tokens x 16 x 4 B + 4 B tensor scale)
+    assert cache.nbytes() == 2 * (15 * 9 + 4 * 16 * 4 + 4) == quantized_cache_bytes(config.shape, 19, dtype="nvfp4", residual=4)

@@ -53,8 +53,9 @@ class NumericExercise:
             return Feedback(True, f"Correct: {self.explanation}")
         for wrong, diagnosis in self.mistakes:
             if self._close(value, wrong):
-                return Feedback(False, f"Not quite: {value:g} {self.unit}. {diagnosis}")
-        return Feedback(False, f"Not {value:g} {self.unit}. Hint: {self.hints[0]}" if self.hints else f"Not {value:g}.")
+                return Feedback(False, f"Not quite: {_shown(value)} {self.unit}. {diagnosis}")
+        shown = _shown(value)
+        return Feedback(False, f"Not {shown} {self.unit}. Hint: {self.hints[0]}" if self.hints else f"Not {shown}.")
 
     def hint(self, level: int = 1) -> str:
         """Hint number ``level`` (1 = gentlest); the last one works the answer out."""
@@ -62,6 +63,13 @@ class NumericExercise:
             return "No hints for this one."
         level = min(max(int(level), 1), len(self.hints))
         return f"Hint {level}/{len(self.hints)}: {self.hints[level - 1]}"
+
+
+def _shown(value: float) -> str:
+    """A learner's number as they would write it: whole numbers in full with thousands separators, others as %g."""
+    if float(value).is_integer() and abs(value) < 1e15:
+        return f"{value:,.0f}"
+    return f"{value:g}"
 
 
 def as_list(x):

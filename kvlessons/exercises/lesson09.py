@@ -33,7 +33,12 @@ def _latent_exercise() -> NumericExercise:
             (row * 2, f"That is one layer's share. Every one of the {c['layers']} layers caches its own latent."),
             (answer * 8, "Eight times too much: that counts bits. bf16 is 2 bytes per value."),
             (answer / 1024, "That is KiB; the answer is asked in bytes."),
+            (61 * row * 2, "That is DeepSeek-V3 (61 layers); this exercise is DeepSeek-V2, with 60."),
+            (c["layers"] * (c["kv_lora_rank"] + c["heads"] * c["qk_rope_head_dim"]) * 2,
+             f"The rotary key was counted once per head: it is one {c['qk_rope_head_dim']}-value key shared by all "
+             f"{c['heads']} heads (only the queries have a rotary part per head)."),
         ],
+        rel_tol=1e-9,  # an exact byte count
         hints=[
             "Per token, each layer stores one latent vector and one small rotated key, shared by all heads.",
             "layers x (kv_lora_rank + qk_rope_head_dim) x bytes per value.",
@@ -65,9 +70,16 @@ def _kv_exercise() -> NumericExercise:
             (2 * c["layers"] * c["heads"] * c["v_head_dim"] * 2,
              f"That is the textbook 2 x layers x heads x head_dim x 2 B with head_dim {c['v_head_dim']}: MLA's keys "
              f"are wider than its values ({key} against {c['v_head_dim']})."),
-            (answer * 2, "Twice the answer: bf16 is 2 bytes per value."),
+            (answer * 2, "Twice the answer: either K and V were counted twice (the key and value widths already add "
+                         "up both), or 4 bytes per value were used (bf16 is 2)."),
             (answer // c["layers"], f"That is one layer's share; there are {c['layers']} layers."),
+            (answer // c["heads"], f"That is one head's share; each of the {c['heads']} heads keeps its own key and value."),
+            (answer / 1024, "That is KiB; the answer is asked in bytes."),
+            (answer / 2**20, "That is MiB; the answer is asked in bytes."),
+            (answer * 8, "Eight times too much: that counts bits. bf16 is 2 bytes per value."),
+            (61 * c["heads"] * (key + c["v_head_dim"]) * 2, "That is DeepSeek-V3 (61 layers); this exercise is DeepSeek-V2, with 60."),
         ],
+        rel_tol=1e-9,  # an exact byte count
         hints=[
             "Every head keeps its own key (decompressed part + rotary part) and its own value, in every layer.",
             "layers x heads x (qk_nope_head_dim + qk_rope_head_dim + v_head_dim) x bytes per value.",
@@ -93,6 +105,7 @@ ABSORB_HINTS = [
     "return q_nope @ w_uk   # (B, H, T, d_nope) @ (H, d_nope, r) broadcasts to (B, H, T, r); "
     "or torch.einsum('bhtd,hdr->bhtr', q_nope, w_uk)",
 ]
+MODEL_SIZES = dict(q_heads=4, qk_nope_head_dim=8, kv_lora_rank=12)  # the model the checker runs fn in
 
 
 def check_absorb_query(fn) -> Feedback:
@@ -113,12 +126,15 @@ def check_absorb_query(fn) -> Feedback:
     call = f"fn(q_nope {tuple(q_nope.shape)}, w_uk {tuple(w_uk.shape)})"
     try:
         out = fn(q_nope.clone(), w_uk.clone())
+        if not isinstance(out, torch.Tensor):
+            what = "None" if out is None else f"a {type(out).__name__}"
+            return Feedback(False, f"{call} returned {what}; expected a tensor of shape {tuple(want.shape)}.")
+        if out.dtype != q_nope.dtype:
+            return Feedback(False, f"{call} returned {out.dtype}; keep the queries' dtype, {q_nope.dtype}: attention "
+                                   f"needs queries and latents in one dtype (drop the .double() / .half() / .to(...)).")
+        out = out.detach().cpu()
     except Exception as err:  # noqa: BLE001 - a learner's code may raise anything
         return raised(call, err, ABSORB_HINTS[1])
-    if not isinstance(out, torch.Tensor):
-        what = "None" if out is None else f"a {type(out).__name__}"
-        return Feedback(False, f"{call} returned {what}; expected a tensor of shape {tuple(want.shape)}.")
-    out = out.detach().cpu().to(want.dtype)
     if tuple(out.shape) != tuple(want.shape):
         got = tuple(out.shape)
         if got[-1] == d:
@@ -142,8 +158,8 @@ def check_absorb_query(fn) -> Feedback:
             why = f"the values differ from W_uk[h]^T q_nope[h] by up to {worst:.3g}."
         return Feedback(False, f"{call} gives the right shape but wrong values: {why} Hint: {ABSORB_HINTS[0]}")
     # In a model: with this absorption, absorbed attention must give the naive logits.
-    model = MLADecoder(MLAConfig(vocab_size=40, hidden_size=32, q_heads=4, kv_lora_rank=12, qk_rope_head_dim=4,
-                                 qk_nope_head_dim=8, v_head_dim=8, mlp_hidden=48, seed=5)).eval()
+    model = MLADecoder(MLAConfig(vocab_size=40, hidden_size=32, qk_rope_head_dim=4, v_head_dim=8, mlp_hidden=48, seed=5,
+                                 **MODEL_SIZES)).eval()
     ids = torch.randint(40, (1, 9), generator=g)
     with torch.inference_mode():
         model.decode = "naive"
@@ -155,11 +171,17 @@ def check_absorb_query(fn) -> Feedback:
         try:
             absorbed = model(ids)
         except Exception as err:  # noqa: BLE001
-            return raised("the model with your absorption", err, ABSORB_HINTS[1])
+            absorbed = err
+    sizes = ", ".join(f"{k} {v}" for k, v in MODEL_SIZES.items())
+    if isinstance(absorbed, Exception):
+        return Feedback(False, f"Right on the random inputs, but inside a model ({sizes}) it raised "
+                               f"{type(absorbed).__name__}: {str(absorbed).rstrip('.')}. Does fn assume fixed sizes? "
+                               f"Read them from q_nope.shape and w_uk.shape.")
     diff = float((absorbed - naive).abs().max())
     if diff > 1e-4:
-        return Feedback(False, f"Right on random inputs, but inside the model the absorbed logits differ from the naive "
-                               f"ones by {diff:.3g}. Does fn use anything besides its two arguments (a global, a fixed size)?")
+        return Feedback(False, f"Right on the random inputs, but inside a model ({sizes}) the absorbed logits differ from "
+                               f"the naive ones by {diff:.3g}. Does fn use anything besides its two arguments (a global, "
+                               f"a fixed size)?")
     return Feedback(True, f"Correct: q_latent[h] = W_uk[h]^T q_nope[h]. In a model, absorbed attention with your function "
                           f"gives the naive logits (largest difference {diff:.1e}), while reading only the "
                           f"{model.config.latent_dim}-value latents instead of {model.config.q_heads} heads' keys and values.")
