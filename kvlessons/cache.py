@@ -113,6 +113,10 @@ class LayerCache:
     def check_room(self, new_tokens: int) -> None:
         """Raise ValueError if ``new_tokens`` more cannot be stored. Unbounded by default."""
 
+    def observe(self, q: torch.Tensor) -> None:
+        """This pass's rotated queries, given just before ``update``. Ignored, except by layers that
+        choose what to keep from attention (:mod:`kvlessons.eviction`)."""
+
     def check_crop(self, length: int) -> None:
         """Raise ValueError if this layer cannot be cropped to ``length`` (nothing is changed)."""
         _check_crop(length, self.seq_len)

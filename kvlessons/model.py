@@ -202,6 +202,7 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         if kv is None and kv_input is None:  # the usual layer: queries, keys and values from x
             q, k, v = self.project(x, cos, sin)
+            layer_cache.observe(q)  # a cache that keeps what attention reads (kvlessons.eviction) looks at the queries
             kv = layer_cache.update(k, v)  # (B, H_kv, S, D), S = cached + T
         else:
             q = self.queries(x, cos, sin)

@@ -14,6 +14,7 @@ from kvlessons.fp4 import QuantizedCache
 from kvlessons.model import TinyConfig, TinyDecoder
 from kvlessons.paging import PagedKVCache
 from kvlessons.crosslayer import YOCODecoder
+from kvlessons.eviction import EvictingCache
 from kvlessons.mla import MLAConfig, MLADecoder
 
 # Storage kinds that take any TinyDecoder: name -> factory(max_tokens).
@@ -83,6 +84,9 @@ CACHE_VARIANTS = {
     "cla-static": CacheVariant(lambda model, n: StaticCache(n), overrides={"layers": 4, "kv_owners": (0, 0, 2, 2)}),
     "yoco-concat": CacheVariant(lambda model, n: ConcatCache(), overrides={"layers": 4}, yoco_window=3),
     "yoco-static": CacheVariant(lambda model, n: StaticCache(n), overrides={"layers": 4}, yoco_window=3),
+    # Eviction with a budget longer than any test sequence: exactly a full cache (kvlessons.eviction).
+    "evict-large-budget-h2o": CacheVariant(lambda model, n: EvictingCache("H2O", budget=10_000, when="decode")),
+    "evict-large-budget-snapkv": CacheVariant(lambda model, n: EvictingCache("SnapKV", budget=10_000)),
     # Latent attention (kvlessons.mla): the cache stores one latent row per token per layer.
     "mla-absorbed-concat": CacheVariant(lambda model, n: ConcatCache(), mla={"decode": "absorbed"}),
     "mla-naive-static": CacheVariant(lambda model, n: StaticCache(n), mla={"decode": "naive"}),
