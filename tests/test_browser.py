@@ -115,7 +115,11 @@ def test_make_lab_opens_the_learners_own_copies(tmp_path):
     course = tmp_path / "course"
     shutil.copytree(ROOT, course, ignore=shutil.ignore_patterns(".venv", ".git", "student", "_site", "test-output", "__pycache__"))
     port, token = _free_port(), "kvlessons-lab-test"
-    cmd = ["make", "-C", str(course), "lab", f"BIN={Path(sys.executable).parent}", f"STAMP={ROOT / 'Makefile'}",
+    # A stamp newer than every copied file: make must see the environment as installed. (With an older one it
+    # would run the install recipe, and `pip install -e` the copy into this very environment.)
+    stamp = tmp_path / "installed.stamp"
+    stamp.touch()
+    cmd = ["make", "-C", str(course), "lab", f"BIN={Path(sys.executable).parent}", f"STAMP={stamp}",
            f"LAB_PORT={port}", f"LAB_ARGS=--IdentityProvider.token={token}"]
     log = open(tmp_path / "lab.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
