@@ -459,6 +459,55 @@ def mla_times(model, decode_lengths=(256, 1024, 4096), prefill_lengths=(256, 102
     return out
 
 
+def eviction_decode_times(model, contexts=(512, 2048, 8192), budget: int = 256, repeats: int = 5, seed: int = 0) -> dict:
+    """Seconds of one decode step after ``context`` tokens: a full cache, and an EvictingCache that keeps ``budget``.
+
+    Both caches start holding random keys and values (a step costs the same whatever
+    they hold; no prefill is paid for): the full one (a StaticCache with room for the
+    timed steps) all ``context`` positions, the evicting one the newest ``budget`` (a
+    recency policy that evicts on every step).
+    Returns ``{context: {"full cache": [s], "budget": [s]}}``, the two timed in
+    alternating rounds, and the bytes each held: ``{"bytes": {context: (full, evicting)}}``.
+    """
+    from .eviction import EvictingCache, recency
+    from .roofline import filled_cache
+
+    require_positive_int("budget", budget)
+    out, sizes = {}, {}
+    with torch.inference_mode():
+        for n in contexts:
+            require_positive_int("context", n)
+            full = filled_cache(model, 1, n, room=repeats + 2, seed=seed)
+            evicting = EvictingCache(recency, budget=budget, when="decode")
+            for i in model.shape.cache_layers:  # the same random rows; the layer keeps the newest `budget`
+                k, v = full.layer(i).keys, full.layer(i).values
+                evicting.layer(i).update(k.clone(), v.clone())
+            evicting.advance(n)
+            sizes[n] = (full.nbytes(), evicting.nbytes())  # measured: every tensor each cache keeps
+            token = _random_ids(model, 1, 1, seed)
+
+            def step(cache):
+                return lambda: model(token, cache=cache)
+
+            out[n] = interleaved_calls({"full cache": step(full), f"budget {budget}": step(evicting)}, repeats, model.device)
+    out["bytes"] = sizes
+    return out
+
+
+def format_eviction_times(times: dict) -> str:
+    """:func:`eviction_decode_times` as lines: ms per step of each cache and the bytes it holds."""
+    lines = []
+    for n, runs in times.items():
+        if n == "bytes":
+            continue
+        full_b, kept_b = times["bytes"][n]
+        (a, sa), (b, sb) = runs.items()
+        lines.append(f"context {n:>6,}: {a} {median_and_quartiles(sa)[0] * 1e3:6.1f} ms ({full_b / 2**20:,.0f} MiB held), "
+                     f"{b} {median_and_quartiles(sb)[0] * 1e3:6.1f} ms ({kept_b / 2**20:,.1f} MiB held); "
+                     f"{ratio_sentence(b, sb, a, sa)}")
+    return "\n".join(lines)
+
+
 def format_mla_times(times: dict) -> str:
     """:func:`mla_times` as lines: median ms of each way, and which was faster, with the spread of the paired ratios."""
     lines = []

@@ -58,17 +58,22 @@ class Observation:
     @cached_property
     def attention(self) -> torch.Tensor:
         """(B, H_q, T, S): softmax attention of this pass's queries over the held keys, causal (computed once, on request)."""
+        return self.recent_attention(self.queries.shape[2] if self.queries is not None else 1)
+
+    def recent_attention(self, n: int) -> torch.Tensor:
+        """(B, H_q, n, S): the attention of this pass's last ``n`` queries only (what SnapKV and TOVA read)."""
         if self.queries is None:
             raise ValueError("this policy reads attention weights: the model must call layer.observe(q) before update")
-        q, k = self.queries.float(), self.keys.float()
-        b, h_q, t, d = q.shape
+        q, k = self.queries[:, :, -n:].float(), self.keys.float()
+        b, h_q, _, d = q.shape
         h_kv, s = k.shape[1], k.shape[2]
-        scores = q.reshape(b, h_kv, (h_q // h_kv) * t, d) @ k.transpose(-1, -2) / math.sqrt(d)
-        scores = scores.view(b, h_q, t, s)
-        # query i (position P - T + i) sees keys at earlier or equal positions; positions differ per head
-        q_pos = self.positions.amax(-1, keepdim=True)[..., None] - (t - 1) + torch.arange(t, device=q.device)[:, None]
-        visible = self.positions[:, :, None, :] <= q_pos  # (B, H_kv, T, S)
-        visible = visible.repeat_interleave(h_q // h_kv, dim=1)
+        scores = q.reshape(b, h_kv, (h_q // h_kv) * n, d) @ k.transpose(-1, -2) / math.sqrt(d)
+        scores = scores.view(b, h_q, n, s)
+        # the pass's queries sit at the newest positions; query j of the last n is at newest - n + 1 + j.
+        # A query sees keys at earlier or equal positions (kept keys keep theirs, different per head).
+        newest = self.positions.amax(-1, keepdim=True)[..., None]  # (B, H_kv, 1, 1)
+        q_pos = newest - (n - 1) + torch.arange(n, device=q.device)[:, None]  # (B, H_kv, n, 1)
+        visible = (self.positions[:, :, None, :] <= q_pos).repeat_interleave(h_q // h_kv, dim=1)
         return scores.masked_fill(~visible, float("-inf")).softmax(-1)
 
 
@@ -99,7 +104,7 @@ def snapkv(obs: Observation, window: int = 64, kernel: int = 5) -> torch.Tensor:
     fewer than ``window`` queries (a decode step) uses the queries it has.
     """
     window = min(window, obs.queries.shape[2], obs.keys.shape[2] - 1)
-    w = obs.attention[..., -window:, :-window]  # (B, H_q, window, S - window): the window's queries, earlier keys
+    w = obs.recent_attention(window)[..., :-window]  # (B, H_q, window, S - window): the window's queries, earlier keys
     b, h_kv, s = obs.positions.shape
     scores = w.mean(dim=-2)  # (B, H_q, S - window)
     scores = F.avg_pool1d(scores, kernel_size=kernel, padding=kernel // 2, stride=1)
@@ -109,7 +114,7 @@ def snapkv(obs: Observation, window: int = 64, kernel: int = 5) -> torch.Tensor:
 
 def tova(obs: Observation) -> torch.Tensor:
     """TOVA (Oren et al. 2024): the last query's attention, averaged over every query head; the newest key is kept."""
-    w = obs.attention[..., -1, :-1].mean(1, keepdim=True)  # (B, 1, S - 1)
+    w = obs.recent_attention(1)[..., -1, :-1].mean(1, keepdim=True)  # (B, 1, S - 1)
     scores = w.expand(-1, obs.positions.shape[1], -1)
     return F.pad(scores, (0, 1), value=scores.max().item() + 1)
 
@@ -208,6 +213,10 @@ class EvictingLayer(LayerCache):
         keep = kept_count(k_all.shape[2], self.budget, self.ratio) if compress else k_all.shape[2]
         if keep < k_all.shape[2]:
             scores = self.policy(obs)
+            if not isinstance(scores, torch.Tensor) or scores.shape != pos.shape:
+                got = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
+                raise ValueError(f"a policy must return one score per held key, shaped (B, H_kv, S) = {tuple(pos.shape)}; "
+                                 f"{getattr(self.policy, '__name__', 'this policy')} returned {got}")
             index = scores.topk(keep, dim=-1).indices.sort(dim=-1).values  # kept, in position order
             self._k = k_all.gather(2, index[..., None].expand(-1, -1, -1, k.shape[3]))
             self._v = v_all.gather(2, index[..., None].expand(-1, -1, -1, v.shape[3]))
@@ -310,3 +319,178 @@ def kvpress_equivalent(method: str, ratio: float, n_sink: int = 4, window: int =
     if method == "TOVA":
         return kvpress.TOVAPress(compression_ratio=ratio), tova
     raise ValueError(f"method must be one of {KVPRESS_METHODS}, got {method!r}")
+
+
+# -- what eviction costs, measured (lesson 10) ---------------------------------------------------------------
+
+
+@torch.no_grad()
+def attention_to_first(model, ids: torch.Tensor, first: int = 1, skip: int = 16) -> list[float]:
+    """Per layer: the share of attention that queries at positions >= ``skip`` give the first ``first`` tokens.
+
+    Averaged over those queries and every head; measured with the written-out attention
+    (:func:`kvlessons.attention.reference_attention`) on the rotated q, k, v each layer computes.
+    A share far above ``first / position`` (what uniform attention would give) is an attention sink.
+    """
+    from .attention import reference_attention
+
+    require_positive_int("first", first)
+    if ids.shape[1] <= skip:
+        raise ValueError(f"ids must hold more than skip={skip} tokens, got {ids.shape[1]}")
+    inputs = {}
+    hooks = [block.attn.register_forward_pre_hook(lambda module, args, i=i: inputs.__setitem__(i, args[:3]))
+             for i, block in enumerate(model.blocks)]
+    try:
+        model(ids)  # one pass; each layer's attention input noted on the way
+    finally:
+        for h in hooks:
+            h.remove()
+    shares = []
+    for i, block in enumerate(model.blocks):
+        q, k, v = block.attn.project(*inputs[i])
+        _, weights = reference_attention(q.float(), k.float(), v.float(), return_weights=True)  # (B, H, T, S)
+        shares.append(float(weights[:, :, skip:, :first].sum(-1).mean()))
+    return shares
+
+
+@torch.no_grad()
+def compression_quality(model, ids: torch.Tensor, prompt_len: int, policy, budget: int | None = None,
+                        ratio: float | None = None, reference: torch.Tensor | None = None) -> dict:
+    """Compress the first ``prompt_len`` tokens once, then read the rest in one pass: how close are its next-token predictions?
+
+    Returns top-1 agreement with the full cache over the continuation's positions, the mean
+    KL(full || compressed) in nats, and the positions kept per KV head. ``reference`` (the
+    full model's logits over ``ids``) can be passed to avoid recomputing it.
+    """
+    require_positive_int("prompt_len", prompt_len)
+    if not 1 < prompt_len < ids.shape[1]:
+        raise ValueError(f"prompt_len must be between 2 and len(ids) - 1 = {ids.shape[1] - 1}, got {prompt_len}")
+    full = (model(ids) if reference is None else reference)[:, prompt_len:].float().log_softmax(-1)
+    cache = EvictingCache(policy, budget=budget, ratio=ratio, when="prefill")
+    model(ids[:, :prompt_len], cache=cache)
+    kept = next(iter(cache.kept_positions().values())).shape[-1]
+    got = model(ids[:, prompt_len:], cache=cache).float().log_softmax(-1)
+    return {"top1": float((got.argmax(-1) == full.argmax(-1)).float().mean()),
+            "kl": max(0.0, float((full.exp() * (full - got)).sum(-1).mean())), "kept": kept}
+
+
+def quality_sweep(model, ids: torch.Tensor, prompt_len: int, policies: dict, fractions) -> dict[str, list[dict]]:
+    """{policy name: [compression_quality at each kept fraction of the prompt]}, every policy on the same text."""
+    with torch.inference_mode():
+        reference = model(ids)
+        return {name: [dict(compression_quality(model, ids, prompt_len, policy, budget=max(1, round(f * prompt_len)),
+                                                reference=reference), fraction=f) for f in fractions]
+                for name, policy in policies.items()}
+
+
+def format_quality_sweep(sweep: dict[str, list[dict]]) -> str:
+    """:func:`quality_sweep` as a table: top-1 agreement (and KL) per policy and kept fraction."""
+    fractions = [r["fraction"] for r in next(iter(sweep.values()))]
+    lines = [f"{'policy':<14}" + "".join(f"{'keep ' + format(f, '.0%'):>17}" for f in fractions)]
+    for name, rows in sweep.items():
+        lines.append(f"{name:<14}" + "".join(f"{r['top1']:>9.0%} ({r['kl']:.2f})" for r in rows))
+    return "\n".join(lines)
+
+
+def haystack_prompt(tokenizer, sentences: int = 90, depth: float = 0.3, code: str = "4817", seed: int = 0, device=None):
+    """A chat prompt (1, T): ``sentences`` plain filler sentences with one fact planted at ``depth``, then a question about it.
+
+    The filler is generated from a seed (buildings, colours, years), so it holds many
+    similar, irrelevant numbers; the fact is the one sentence about a password. Returns
+    (ids, the expected answer ``code``).
+    """
+    import random
+
+    from .pretrained import chat_ids
+
+    require_positive_int("sentences", sentences)
+    if not 0 <= depth <= 1:
+        raise ValueError(f"depth must be in [0, 1], got {depth}")
+    rng = random.Random(seed)
+    colours = ["red", "green", "blue", "grey", "white", "yellow", "brown", "orange"]
+    things = ["boat", "house", "garden", "bridge", "market", "library", "station", "tower"]
+    filler = [f"The {rng.choice(colours)} {rng.choice(things)} near the river was built in {rng.randint(1700, 1990)}."
+              for _ in range(sentences)]
+    at = round(depth * sentences)
+    text = " ".join(filler[:at] + [f"The password for the archive is {code}."] + filler[at:])
+    question = "What is the password for the archive? Answer with the number only."
+    return chat_ids(tokenizer, f"{text}\n\n{question}", device=device), code
+
+
+@torch.no_grad()
+def retrieval_trial(model, tokenizer, ids: torch.Tensor, expected: str, policies: dict, budgets,
+                    max_new_tokens: int = 12) -> list[dict]:
+    """Answer the haystack question with the full cache and with each policy at each budget (compressed once, after the prompt).
+
+    Rows: policy ("full cache" first), budget (None for the full cache), the answer text,
+    and whether it contains ``expected``.
+    """
+    from .cache import ConcatCache
+    from .pretrained import answer_text
+
+    def row(name, budget, cache):
+        text = answer_text(tokenizer, torch.tensor(answer_with(model, ids, cache, max_new_tokens)))
+        return {"policy": name, "budget": budget, "answer": text, "correct": expected in text}
+
+    rows = [row("full cache", None, ConcatCache())]
+    for name, policy in policies.items():
+        for b in budgets:
+            rows.append(row(name, b, EvictingCache(policy, budget=b)))
+    return rows
+
+
+@torch.no_grad()
+def answer_with(model, ids: torch.Tensor, cache, max_new_tokens: int = 8) -> list[int]:
+    """Greedy answer ids to ``ids`` (1, T) read through ``cache`` (compressed as its policy says)."""
+    from .generate import generate
+
+    return generate(model, ids, max_new_tokens, cache=cache).new_tokens[0].tolist()
+
+
+@torch.no_grad()
+def kvpress_kept_positions(hf_model, ids: torch.Tensor, press) -> tuple[dict[int, torch.Tensor], object]:
+    """Run kvpress's ``press`` on a transformers model's prefill of ``ids`` (1, S): ({layer: (1, H_kv, kept)
+    positions it kept}, the compressed DynamicCache).
+
+    kvpress stores the kept keys, not their positions: each is found among the keys of an
+    uncompressed prefill, where it must appear exactly once.
+    """
+    from transformers import DynamicCache
+
+    full, past = DynamicCache(), DynamicCache()
+    hf_model(ids, past_key_values=full)
+    with press(hf_model):
+        hf_model(ids, past_key_values=past)
+    out = {}
+    for i, (f, c) in enumerate(zip(full.layers, past.layers)):
+        same = (c.keys[0][:, :, None, :] == f.keys[0][:, None, :, :]).all(-1)  # (H, kept, S): which prompt key it is
+        if not bool((same.sum(-1) == 1).all()):
+            raise ValueError(f"layer {i}: a kept key is not exactly one of the prompt's keys")
+        out[i] = same.int().argmax(-1).sort(-1).values[None]
+    return out, past
+
+
+@torch.no_grad()
+def kvpress_check(model, hf_model, ids: torch.Tensor, methods=KVPRESS_METHODS, ratios=(0.25, 0.5), next_id: int = 42) -> list[dict]:
+    """For each method and ratio: layers whose kept positions (every KV head) equal kvpress's, and the next token's logit gap.
+
+    ``model`` is the kvlessons model, ``hf_model`` transformers' with the same weights. After
+    compression transformers would give the next token the position of the cache's length
+    (the kept count); kvpress's own pipeline passes positions explicitly, and so does this
+    check: the next token is at position S on both sides.
+    """
+    rows = []
+    for method in methods:
+        for ratio in ratios:
+            press, policy = kvpress_equivalent(method, ratio)
+            theirs, past = kvpress_kept_positions(hf_model, ids, press)
+            cache = EvictingCache(policy, ratio=ratio)
+            model(ids, cache=cache)
+            mine = cache.kept_positions()
+            equal = sum(torch.equal(mine[i].long().cpu(), p.cpu()) for i, p in theirs.items())
+            nxt = torch.tensor([[next_id]], device=ids.device)
+            expected = hf_model(nxt, past_key_values=past, position_ids=torch.tensor([[ids.shape[1]]], device=ids.device)).logits
+            gap = float((model(nxt, cache=cache) - expected).abs().max())
+            rows.append({"method": method, "ratio": ratio, "kept": mine[0].shape[-1], "layers_equal": equal,
+                         "layers": len(theirs), "logit_gap": gap})
+    return rows

@@ -241,3 +241,18 @@ def plot_append_cost(medians: dict, lengths, title: str = ""):
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
     return fig
+
+
+def plot_quality_sweep(sweep: dict, title: str = ""):
+    """Top-1 agreement with the full cache against the fraction of the prompt kept, one line per policy (lesson 10)."""
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    for name, rows in sweep.items():
+        ax.plot([r["fraction"] for r in rows], [r["top1"] for r in rows], marker="o", label=name)
+    ax.set_xlabel("fraction of the prompt's positions kept (per KV head)")
+    ax.set_ylabel("next-token agreement with the full cache")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    ax.set_title(title or "Quality against kept fraction")
+    fig.tight_layout()
+    return fig

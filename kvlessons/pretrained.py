@@ -215,7 +215,15 @@ def load_hf_model(dtype=torch.float32):
     """The model as transformers builds it from the GGUF file (the peer the tests compare with)."""
     transformers = _offline_transformers()
     path = gguf_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    # Its GGUF conversion draws a progress bar (a widget in a notebook) for a second's work: leave it out.
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    bar = gguf_utils.tqdm
+    gguf_utils.tqdm = lambda items, **_: items
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    finally:
+        gguf_utils.tqdm = bar
     return model.eval()
 
 

