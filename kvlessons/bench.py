@@ -502,9 +502,9 @@ def format_eviction_times(times: dict) -> str:
             continue
         full_b, kept_b = times["bytes"][n]
         (a, sa), (b, sb) = runs.items()
-        lines.append(f"context {n:>6,}: {a} {median_and_quartiles(sa)[0] * 1e3:6.1f} ms ({full_b / 2**20:,.0f} MiB held), "
+        lines.append(f"context {n:>6,}: medians {a} {median_and_quartiles(sa)[0] * 1e3:6.1f} ms ({full_b / 2**20:,.0f} MiB held), "
                      f"{b} {median_and_quartiles(sb)[0] * 1e3:6.1f} ms ({kept_b / 2**20:,.1f} MiB held); "
-                     f"{ratio_sentence(b, sb, a, sa)}")
+                     f"round by round: {ratio_sentence(b, sb, a, sa)}")
     return "\n".join(lines)
 
 

@@ -381,6 +381,8 @@ class SlidingWindowLayer(LayerCache):
 class KVCache:
     """Per-layer caches, created on first use, and the one position counter ``seq_len``."""
 
+    supports_padding = True  # left-padded batches (a pad_mask) work: the held keys are the newest positions, in order
+
     def __init__(self):
         self._layers: dict[int, LayerCache] = {}
         self._seq_len = 0  # positions processed: the one position counter (see seq_len)

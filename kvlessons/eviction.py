@@ -164,6 +164,9 @@ class EvictingLayer(LayerCache):
         _check_budget(budget, ratio)
         if when not in WHEN:
             raise ValueError(f"when must be one of {WHEN}, got {when!r}")
+        if ratio is not None and when == "decode":
+            raise ValueError("ratio removes a fraction of the prompt once (when='prefill'); applied after every decode "
+                             "step it would shrink the cache each step. For decode-time eviction give a budget")
         self.policy, self.budget, self.ratio, self.when = policy, budget, ratio, when
         self._k = self._v = None  # (B, H_kv, held, D)
         self._pos = None  # (B, H_kv, held) int32: original positions
@@ -217,7 +220,9 @@ class EvictingLayer(LayerCache):
                 got = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
                 raise ValueError(f"a policy must return one score per held key, shaped (B, H_kv, S) = {tuple(pos.shape)}; "
                                  f"{getattr(self.policy, '__name__', 'this policy')} returned {got}")
-            index = scores.topk(keep, dim=-1).indices.sort(dim=-1).values  # kept, in position order
+            # the `keep` highest scores; equal scores are broken by position (the older first), the same on every
+            # device (topk's choice among ties is unspecified), then kept in position order
+            index = scores.argsort(dim=-1, descending=True, stable=True)[..., :keep].sort(dim=-1).values
             self._k = k_all.gather(2, index[..., None].expand(-1, -1, -1, k.shape[3]))
             self._v = v_all.gather(2, index[..., None].expand(-1, -1, -1, v.shape[3]))
             self._pos = pos.gather(2, index)
@@ -248,6 +253,7 @@ class EvictingLayer(LayerCache):
 
 
 class EvictingCache(KVCache):
+    supports_padding = False  # kept keys are no longer a contiguous run of positions: a padding mask cannot be sliced
     """A cache whose layers keep ``budget`` positions per KV head (or remove a ``ratio`` of them), chosen by ``policy``.
 
     ``policy`` is a function from :class:`Observation` to scores, or a name in ``POLICIES``.
@@ -276,23 +282,27 @@ class EvictingCache(KVCache):
 
     def __repr__(self):
         what = f"budget={self.budget}" if self.budget is not None else f"ratio={self.ratio}"
-        return f"EvictingCache({self.policy.__name__}, {what}, when={self.when!r}, seq_len={self.seq_len}, nbytes={self.nbytes()})"
+        name = getattr(self.policy, "__name__", None) or getattr(getattr(self.policy, "func", None), "__name__", "policy")
+        return f"EvictingCache({name}, {what}, when={self.when!r}, seq_len={self.seq_len}, nbytes={self.nbytes()})"
 
 
 POSITION_BYTES = 4  # each kept key's original position, int32, per KV head
 
 
-def evicting_cache_bytes(shape, kept: int, batch: int = 1, dtype="fp32") -> int:
+def evicting_cache_bytes(shape, kept: int, batch: int = 1, dtype="fp32", history: bool = False) -> int:
     """Bytes an EvictingCache holds with ``kept`` positions per KV head in every layer: K and V, plus each key's position.
 
-    The positions (int32) are what lets a policy tell a sink from a recent token, and
-    ``crop`` find where to cut, after the keys have left their original order of arrival.
+    The positions (int32) are needed once anything is evicted: a slot's index then no
+    longer says which position it holds, and policies (which key is a sink, which is
+    recent) and ``crop`` need to know. ``history``: the policy accumulates attention
+    (H2O), one float32 score more per kept key.
     """
     from .memory import kv_cache_bytes
 
     require_positive_int("kept", kept)
     require_positive_int("batch", batch)
-    index = len(shape.cache_layers) * shape.kv_heads * kept * batch * POSITION_BYTES
+    per_key = POSITION_BYTES + (4 if history else 0)
+    index = len(shape.cache_layers) * shape.kv_heads * kept * batch * per_key
     return kv_cache_bytes(shape, kept, batch, dtype) + index
 
 

@@ -354,6 +354,9 @@ class TinyDecoder(nn.Module):
         if pad_mask is None:
             positions = self.positions(start, t, ids.device)
         else:
+            if not cache.supports_padding:
+                raise ValueError(f"pad_mask cannot be used with {type(cache).__name__}: its layers keep scattered "
+                                 f"positions, so the mask's columns no longer line up with the keys; run sequences one by one")
             if pad_mask.shape != (ids.shape[0], start + t):
                 raise ValueError(
                     f"pad_mask must be (batch, cached + new tokens) = {(ids.shape[0], start + t)}, got {tuple(pad_mask.shape)}"

@@ -449,7 +449,8 @@ def eviction_explorer(model, tokenizer, ids, policies: dict, budgets=(8, 128, 8)
 
     tokens = [tokenizer.decode([t]) for t in ids[0].tolist()]
     lo, hi, step = budgets
-    hi = min(hi, len(tokens))
+    hi = max(1, min(hi, len(tokens)))  # a short prompt: the slider still has a valid range
+    lo = min(lo, hi)
     policy = w.Dropdown(options=list(policies), description="policy")
     budget = w.IntSlider(value=min(32, hi), min=lo, max=hi, step=step, description="budget")
     layer = w.IntSlider(value=len(model.blocks) - 1, min=0, max=len(model.blocks) - 1, description="layer")

@@ -137,6 +137,7 @@ def test_kept_count_rule():
     (dict(budget=4, when="sometimes"), "when must be one of"),
     (dict(budget=4, policy="lru"), "policy must be a function or one of"),
     (dict(budget=4, policy=42), "policy must be a function"),
+    (dict(ratio=0.5, when="decode"), "ratio removes a fraction of the prompt once"),
 ])
 def test_bad_budgets_and_policies_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -261,3 +262,28 @@ def test_eviction_explorer_renders_every_setting():
     assert box.view.value.count("background:#2f5d8a") == 2 * 8  # 2 KV heads x 8 kept
     assert 'title="position 0" style="padding:1px 2px;margin:1px;border-radius:3px;background:#2f5d8a' in box.view.value
     assert "&lt;b&gt;" in kept_tokens_html(["<b>"], [[0]], "t")  # tokens are escaped
+
+
+def test_padding_is_refused_and_history_is_counted():
+    """A pad mask cannot line up with scattered kept keys: refused. H2O's accumulated scores are bytes held too."""
+    model = small_model()
+    ids = random_ids(2, 12, seed=9)
+    pad = torch.ones(2, 12, dtype=torch.bool)
+    pad[1, :3] = False
+    cache = EvictingCache("sinks+window", budget=6)
+    with pytest.raises(ValueError, match="pad_mask cannot be used with EvictingCache"):
+        model(ids, cache=cache, pad_mask=pad)
+    assert cache.seq_len == 0
+    h2o = EvictingCache("H2O", budget=6, when="decode")
+    with torch.inference_mode():
+        model(ids, cache=h2o)
+    assert h2o.nbytes() == 2 * 2 * 6 * 2 * (2 * 8 * 4 + 4 + 4) == evicting_cache_bytes(model.shape, 6, batch=2, history=True)
+
+
+def test_ties_are_broken_by_position_the_same_everywhere():
+    """Equal scores: the older position is kept first (a stable order), not topk's unspecified choice."""
+    model = small_model()
+    cache = EvictingCache(lambda obs: torch.zeros_like(obs.positions, dtype=torch.float32), budget=5)
+    with torch.inference_mode():
+        model(random_ids(1, 20, seed=2), cache=cache)
+    assert all(p[0, h].tolist() == [0, 1, 2, 3, 4] for p in cache.kept_positions().values() for h in range(2))
