@@ -162,7 +162,22 @@ class LayerCache:
         """The changes since the last :meth:`snapshot` stand: drop whatever was kept to undo them."""
 
 
-class ConcatLayer(LayerCache):
+class HeldTensorsLayer(LayerCache):
+    """A layer whose held keys and values are exactly its tensors ``_k`` and ``_v`` (None while empty)."""
+
+    _k: torch.Tensor | None = None
+    _v: torch.Tensor | None = None
+
+    @property
+    def keys(self):
+        return self._k
+
+    @property
+    def values(self):
+        return self._v
+
+
+class ConcatLayer(HeldTensorsLayer):
     """Grows by ``torch.cat``: simple, and it copies the whole layer on every append."""
 
     def __init__(self):
@@ -179,14 +194,6 @@ class ConcatLayer(LayerCache):
         self.bytes_written += new_k.nbytes + (0 if new_v is None else new_v.nbytes)  # cat writes the whole new tensor
         self.seq_len += k.shape[2]
         return self._k, self._v
-
-    @property
-    def keys(self):
-        return self._k
-
-    @property
-    def values(self):
-        return self._v
 
     def reset(self):
         self._k = self._v = None

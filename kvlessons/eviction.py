@@ -24,15 +24,14 @@ kvpress does); ``when="decode"`` keeps the budget after every pass, generation i
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import cached_property, partial
 
 import torch
 import torch.nn.functional as F
 
-from .attention import causal_mask
-from .cache import KVCache, LayerCache, _check_kv
+from .attention import reference_attention
+from .cache import HeldTensorsLayer, KVCache, _check_kv
 from .shape import require_positive_int
 
 WHEN = ("prefill", "decode")
@@ -65,16 +64,14 @@ class Observation:
         if self.queries is None:
             raise ValueError("this policy reads attention weights: the model must call layer.observe(q) before update")
         q, k = self.queries[:, :, -n:].float(), self.keys.float()
-        b, h_q, _, d = q.shape
-        h_kv, s = k.shape[1], k.shape[2]
-        scores = q.reshape(b, h_kv, (h_q // h_kv) * n, d) @ k.transpose(-1, -2) / math.sqrt(d)
-        scores = scores.view(b, h_q, n, s)
-        # the pass's queries sit at the newest positions; query j of the last n is at newest - n + 1 + j.
-        # A query sees keys at earlier or equal positions (kept keys keep theirs, different per head).
+        h_q, h_kv = q.shape[1], k.shape[1]
+        # The pass's queries sit at the newest positions: query j of the last n is at newest - n + 1 + j. It sees
+        # the keys at earlier or equal positions (kept keys keep theirs, which differ from head to head).
         newest = self.positions.amax(-1, keepdim=True)[..., None]  # (B, H_kv, 1, 1)
         q_pos = newest - (n - 1) + torch.arange(n, device=q.device)[:, None]  # (B, H_kv, n, 1)
-        visible = (self.positions[:, :, None, :] <= q_pos).repeat_interleave(h_q // h_kv, dim=1)
-        return scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        visible = (self.positions[:, :, None, :] <= q_pos).repeat_interleave(h_q // h_kv, dim=1)  # (B, H_q, n, S)
+        _, weights = reference_attention(q, k, k, mask=visible, return_weights=True)  # the course's one written-out attention
+        return weights
 
 
 # -- the policies ---------------------------------------------------------------------------------------
@@ -151,7 +148,7 @@ def _check_budget(budget, ratio) -> None:
         raise ValueError(f"ratio must be a fraction removed, 0 <= ratio < 1, got {ratio!r}")
 
 
-class EvictingLayer(LayerCache):
+class EvictingLayer(HeldTensorsLayer):
     """One layer that keeps at most a budget of positions per KV head, chosen by ``policy``.
 
     ``update`` returns everything held plus the new keys, so the pass attends over all
@@ -180,14 +177,6 @@ class EvictingLayer(LayerCache):
     @property
     def held(self) -> int:
         return 0 if self._k is None else self._k.shape[2]
-
-    @property
-    def keys(self):
-        return self._k
-
-    @property
-    def values(self):
-        return self._v
 
     @property
     def positions(self) -> torch.Tensor | None:
