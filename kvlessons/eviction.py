@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from .attention import reference_attention
 from .cache import HeldTensorsLayer, KVCache, _check_kv
+from .generate import generate, next_token_agreement
 from .shape import require_positive_int
 
 WHEN = ("prefill", "decode")
@@ -57,12 +58,13 @@ class Observation:
     @cached_property
     def attention(self) -> torch.Tensor:
         """(B, H_q, T, S): softmax attention of this pass's queries over the held keys, causal (computed once, on request)."""
-        return self.recent_attention(self.queries.shape[2] if self.queries is not None else 1)
+        return self.recent_attention()
 
-    def recent_attention(self, n: int) -> torch.Tensor:
-        """(B, H_q, n, S): the attention of this pass's last ``n`` queries only (what SnapKV and TOVA read)."""
+    def recent_attention(self, n: int | None = None) -> torch.Tensor:
+        """(B, H_q, n, S): the attention of this pass's last ``n`` queries (all of them by default; SnapKV and TOVA read a few)."""
         if self.queries is None:
             raise ValueError("this policy reads attention weights: the model must call layer.observe(q) before update")
+        n = self.queries.shape[2] if n is None else n
         q, k = self.queries[:, :, -n:].float(), self.keys.float()
         h_q, h_kv = q.shape[1], k.shape[1]
         # The pass's queries sit at the newest positions: query j of the last n is at newest - n + 1 + j. It sees
@@ -148,6 +150,15 @@ def _check_budget(budget, ratio) -> None:
         raise ValueError(f"ratio must be a fraction removed, 0 <= ratio < 1, got {ratio!r}")
 
 
+def _highest(scores: torch.Tensor, keep: int) -> torch.Tensor:
+    """Indices (B, H_kv, keep) of the ``keep`` highest scores per head, in position order.
+
+    Equal scores are broken by position, the older first, the same on every device
+    (``topk``'s choice among ties is unspecified).
+    """
+    return scores.argsort(dim=-1, descending=True, stable=True)[..., :keep].sort(dim=-1).values
+
+
 class EvictingLayer(HeldTensorsLayer):
     """One layer that keeps at most a budget of positions per KV head, chosen by ``policy``.
 
@@ -209,15 +220,13 @@ class EvictingLayer(HeldTensorsLayer):
                 got = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
                 raise ValueError(f"a policy must return one score per held key, shaped (B, H_kv, S) = {tuple(pos.shape)}; "
                                  f"{getattr(self.policy, '__name__', 'this policy')} returned {got}")
-            # the `keep` highest scores; equal scores are broken by position (the older first), the same on every
-            # device (topk's choice among ties is unspecified), then kept in position order
-            index = scores.argsort(dim=-1, descending=True, stable=True)[..., :keep].sort(dim=-1).values
-            self._k = k_all.gather(2, index[..., None].expand(-1, -1, -1, k.shape[3]))
-            self._v = v_all.gather(2, index[..., None].expand(-1, -1, -1, v.shape[3]))
-            self._pos = pos.gather(2, index)
-            self._history = None if history is None else history.gather(2, index)
+            index = _highest(scores, keep)
         else:
-            self._k, self._v, self._pos, self._history = k_all, v_all, pos.clone(), history
+            index = None
+        # contiguous(): the first pass's positions are an expanded view, which would not hold its own bytes
+        self._k, self._v, self._pos, self._history = k_all, v_all, pos.contiguous(), history
+        if index is not None:
+            self._keep(index)
         self._queries = None
         self.bytes_written += k_all.nbytes + v_all.nbytes
         self.seq_len += t
@@ -234,7 +243,10 @@ class EvictingLayer(HeldTensorsLayer):
         n = int(counts.flatten()[0])
         if not bool((counts == n).all()):
             raise ValueError("cannot crop: the heads hold different numbers of positions before that length")
-        index = mask.int().argsort(dim=-1, descending=True, stable=True)[..., :n].sort(dim=-1).values
+        self._keep(_highest(mask.int(), n))  # the n held positions before `length`, in order
+
+    def _keep(self, index: torch.Tensor) -> None:
+        """Keep only the held entries at ``index`` (B, H_kv, kept), per head, in new tensors (the old ones are not written)."""
         self._k = self._k.gather(2, index[..., None].expand(-1, -1, -1, self._k.shape[3]))
         self._v = self._v.gather(2, index[..., None].expand(-1, -1, -1, self._v.shape[3]))
         self._pos = self._pos.gather(2, index)
@@ -242,12 +254,13 @@ class EvictingLayer(HeldTensorsLayer):
 
 
 class EvictingCache(KVCache):
-    supports_padding = False  # kept keys are no longer a contiguous run of positions: a padding mask cannot be sliced
     """A cache whose layers keep ``budget`` positions per KV head (or remove a ``ratio`` of them), chosen by ``policy``.
 
     ``policy`` is a function from :class:`Observation` to scores, or a name in ``POLICIES``.
     With a budget at least as long as the sequence it is exactly a full cache.
     """
+
+    supports_padding = False  # kept keys are no longer a contiguous run of positions: a padding mask cannot be sliced
 
     def __init__(self, policy="sinks+window", budget: int | None = None, ratio: float | None = None, when: str = "prefill"):
         super().__init__()
@@ -364,13 +377,12 @@ def compression_quality(model, ids: torch.Tensor, prompt_len: int, policy, budge
     require_positive_int("prompt_len", prompt_len)
     if not 1 < prompt_len < ids.shape[1]:
         raise ValueError(f"prompt_len must be between 2 and len(ids) - 1 = {ids.shape[1] - 1}, got {prompt_len}")
-    full = (model(ids) if reference is None else reference)[:, prompt_len:].float().log_softmax(-1)
+    full = (model(ids) if reference is None else reference)[:, prompt_len:].float()
     cache = EvictingCache(policy, budget=budget, ratio=ratio, when="prefill")
     model(ids[:, :prompt_len], cache=cache)
     kept = next(iter(cache.kept_positions().values())).shape[-1]
-    got = model(ids[:, prompt_len:], cache=cache).float().log_softmax(-1)
-    return {"top1": float((got.argmax(-1) == full.argmax(-1)).float().mean()),
-            "kl": max(0.0, float((full.exp() * (full - got)).sum(-1).mean())), "kept": kept}
+    agreement = next_token_agreement(full, model(ids[:, prompt_len:], cache=cache).float())
+    return {"top1": agreement["top1"], "kl": agreement["kl"], "kept": kept}
 
 
 def quality_sweep(model, ids: torch.Tensor, prompt_len: int, policies: dict, fractions) -> dict[str, list[dict]]:
@@ -441,8 +453,6 @@ def retrieval_trial(model, tokenizer, ids: torch.Tensor, expected: str, policies
 @torch.no_grad()
 def answer_with(model, ids: torch.Tensor, cache, max_new_tokens: int = 8) -> list[int]:
     """Greedy answer ids to ``ids`` (1, T) read through ``cache`` (compressed as its policy says)."""
-    from .generate import generate
-
     return generate(model, ids, max_new_tokens, cache=cache).new_tokens[0].tolist()
 
 

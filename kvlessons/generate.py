@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+import torch.nn.functional as F
+
 from ._device import synchronize
 from .cache import ConcatCache, KVCache
 from .shape import require_positive_int
@@ -221,3 +223,18 @@ def measure_kv_work(model, lengths, prompt_len: int = 1) -> dict[str, list[int]]
                 generate(model, prompt, n, cache=cache)
             result[key].append(work.total)
     return result
+
+
+def next_token_agreement(reference: torch.Tensor, candidate: torch.Tensor) -> dict:
+    """How close ``candidate``'s next-token predictions are to ``reference``'s: logits (..., vocab) at the same positions.
+
+    ``top1``: how often both pick the same token; ``kl``: mean KL(reference || candidate)
+    in nats per position (each clamped at 0: rounding can make an exact match print as
+    -0.0000); ``max_logit_diff``: the largest logit difference.
+    """
+    kl = F.kl_div(candidate.log_softmax(-1), reference.log_softmax(-1), log_target=True, reduction="none").sum(-1)
+    return {
+        "top1": (candidate.argmax(-1) == reference.argmax(-1)).float().mean().item(),
+        "kl": kl.clamp_min(0).mean().item(),
+        "max_logit_diff": (candidate - reference).abs().max().item(),
+    }

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from .attention import kv_group_size, reference_attention, repeat_kv
+from .generate import next_token_agreement
 from .shape import ModelShape, require_positive_int
 
 
@@ -96,13 +97,8 @@ def output_drift(reference, candidate, ids: torch.Tensor) -> dict:
     Returns mean KL(reference || candidate) in nats per position, the largest logit
     difference, and how often both pick the same top token.
     """
-    ref, cand = reference(ids), candidate(ids)
-    kl = F.kl_div(cand.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="none").sum(-1)
-    return {
-        "kl": kl.mean().item(),
-        "max_logit_diff": (ref - cand).abs().max().item(),
-        "top1_agreement": (ref.argmax(-1) == cand.argmax(-1)).float().mean().item(),
-    }
+    agreement = next_token_agreement(reference(ids), candidate(ids))
+    return {"kl": agreement["kl"], "max_logit_diff": agreement["max_logit_diff"], "top1_agreement": agreement["top1"]}
 
 
 def distill(student, teacher, steps: int = 100, batch: int = 8, seq_len: int = 64, lr: float = 3e-3, seed: int = 0) -> list[float]:

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import attend, causal_mask
+from .generate import next_token_agreement
 from .memory import storage_format
 from .model import Block, Linear, RMSNorm, TinyDecoder
 from .pretrained import unpermute_rotary_rows
@@ -501,17 +502,13 @@ def rank_sweep(model, ids: torch.Tensor, ranks) -> list[dict]:
     K/V values it caches now, top-1 agreement over every position of ``ids`` (1, T), and
     the mean KL(full || low rank) of the next-token distributions, in nats.
     """
-    full = model(ids).float().log_softmax(-1)
+    full = model(ids).float()
     kv_values = joint_kv_weight(model.blocks[0].attn).shape[0]
     rows = []
     for r in ranks:
         with low_rank_kv(model, r):
-            approx = model(ids).float().log_softmax(-1)
-        rows.append({
-            "rank": r, "kv_values": kv_values,
-            "top1": float((approx.argmax(-1) == full.argmax(-1)).float().mean()),
-            "kl": max(0.0, float((full.exp() * (full - approx)).sum(-1).mean())),  # >= 0; rounding can dip below
-        })
+            agreement = next_token_agreement(full, model(ids).float())
+        rows.append({"rank": r, "kv_values": kv_values, "top1": agreement["top1"], "kl": agreement["kl"]})
     return rows
 
 

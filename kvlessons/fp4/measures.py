@@ -6,6 +6,7 @@ import torch
 
 from ..attention import attend, reference_attention
 from ..cache import KVCache
+from ..generate import next_token_agreement
 from ..rope import apply_rope, rope_tables
 from ..shape import require_positive_int
 from .formats import fake_quantize
@@ -126,10 +127,4 @@ def passage_agreement(model, ids: torch.Tensor, prefill: int, cache: KVCache) ->
         raise ValueError(f"prefill must be between 1 and {t - 1}, got {prefill}")
     reference = model(ids)[:, prefill - 1 : t - 1]  # predictions for tokens prefill .. t-1
     cand = _teacher_forced(model, ids[:, :prefill], ids[:, prefill : t - 1], cache)
-    kl = torch.nn.functional.kl_div(cand.log_softmax(-1), reference.log_softmax(-1), log_target=True, reduction="none").sum(-1)
-    kl = kl.clamp_min(0)  # KL is never negative; rounding can make an exact match print as -0.0000
-    return {
-        "top1": (cand.argmax(-1) == reference.argmax(-1)).float().mean().item(),
-        "kl": kl.mean().item(),
-        "max_logit_diff": (cand - reference).abs().max().item(),
-    }
+    return next_token_agreement(reference, cand)
