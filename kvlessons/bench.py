@@ -666,3 +666,163 @@ def prefill_stepper(model, ids: torch.Tensor):
 
 if __name__ == "__main__":
     main()
+
+
+# -- lesson 11: the serving engine ----------------------------------------------------------------
+
+
+def _engine_requests(engine, requests) -> None:
+    for r in requests:
+        engine.add(r["prompt"], r["new_tokens"], arrival=r.get("arrival", 0), stop=r.get("stop", ()))
+
+
+def engine_batch_times(model, requests, batch_limits=(1, 2, 4, 8), repeats: int = 3, num_blocks: int = 512,
+                       block_size: int = 16) -> dict:
+    """The same requests served by :class:`~kvlessons.serving.engine.Engine` at each batch limit, interleaved.
+
+    ``requests``: dicts with ``prompt`` (ids), ``new_tokens`` and optionally ``arrival`` (a step)
+    and ``stop``. Each round runs every batch limit once on a fresh engine (rounds
+    interleaved, a warm-up round first, not kept). Returns ``{limit: {"seconds": [wall
+    seconds per round], "tokens": generated tokens, "ttft": [median TTFT per round],
+    "latency": [median latency per round], "step": {running: [decode-only step seconds]}}}``.
+    """
+    from .serving.engine import Engine
+
+    require_positive_int("repeats", repeats)
+    for limit in batch_limits:
+        require_positive_int("batch_limits", limit)
+    out = {limit: {"seconds": [], "ttft": [], "latency": [], "step": {}, "tokens": 0} for limit in batch_limits}
+    for round_ in range(repeats + 1):
+        for limit in batch_limits:
+            engine = Engine(model, num_blocks=num_blocks, block_size=block_size, max_batch=limit, prefix_caching=False)
+            _engine_requests(engine, requests)
+            seconds = _timed(engine.run, model.device)
+            if not round_:
+                continue
+            o = out[limit]
+            o["seconds"].append(seconds)
+            o["tokens"] = sum(len(r.tokens) for r in engine.records)
+            o["ttft"].append(statistics.median(r.ttft for r in engine.records))
+            o["latency"].append(statistics.median(r.latency for r in engine.records))
+            for s in engine.steps:
+                if s.prefill_tokens == 0:
+                    o["step"].setdefault(s.decode, []).append(s.seconds)
+    return out
+
+
+def format_engine_batch_times(times: dict) -> str:
+    """:func:`engine_batch_times` as a table, then each limit's speed against one request at a time."""
+    lines = [f"{'batch limit':>11}{'wall s (median)':>17}{'quartiles':>14}{'tokens/s':>10}{'median TTFT':>13}"
+             f"{'median latency':>16}"]
+    for limit, o in times.items():
+        mid, q1, q3 = median_and_quartiles(o["seconds"])
+        lines.append(f"{limit:>11}{mid:>17.2f}{f'{q1:.2f}-{q3:.2f}':>14}{o['tokens'] / mid:>10.1f}"
+                     f"{statistics.median(o['ttft']):>12.2f}s{statistics.median(o['latency']):>15.2f}s")
+    first = next(iter(times))
+    for limit, o in list(times.items())[1:]:
+        lines.append(ratio_sentence(f"batch limit {limit}", o["seconds"], f"batch limit {first}", times[first]["seconds"]))
+    steps: dict[int, list[float]] = {}
+    for o in times.values():
+        for running, values in o["step"].items():
+            steps.setdefault(running, []).extend(values)
+    lines.append("one decode step, by the number of sequences in it (median ms over every such step): "
+                 + ", ".join(f"{n}: {statistics.median(v) * 1e3:.1f}" for n, v in sorted(steps.items())))
+    return "\n".join(lines)
+
+
+def chunked_prefill_times(model, short, long, budgets=(None, 64), repeats: int = 3, block_size: int = 16) -> dict:
+    """Short requests decoding while a long prompt arrives, served with each per-step token budget, interleaved.
+
+    ``short``: requests (as in :func:`engine_batch_times`) already decoding; ``long``: one
+    request arriving later. Budget None reads a prompt whole in one step; a number
+    splits it into pieces that share steps with the decoders (chunked prefill). Returns
+    ``{budget: {"seconds", "long_ttft", "short_gap_max", "short_gap_median"}}``, one value
+    per round (seconds on the engine's clock; gaps are between a short request's tokens).
+    """
+    from .serving.engine import Engine
+
+    require_positive_int("repeats", repeats)
+    requests = list(short) + [long]
+    need = sum(-(-(len(r["prompt"][0]) + r["new_tokens"]) // block_size) for r in requests)
+    out = {b: {"seconds": [], "long_ttft": [], "short_gap_max": [], "short_gap_median": []} for b in budgets}
+    for round_ in range(repeats + 1):
+        for budget in budgets:
+            engine = Engine(model, num_blocks=need + 1, block_size=block_size, max_batch=len(requests),
+                            token_budget=budget, prefix_caching=False)
+            _engine_requests(engine, requests)
+            engine.run()
+            if not round_:
+                continue
+            gaps = [g for r in engine.records[:-1] for g in r.inter_token]
+            o = out[budget]
+            o["seconds"].append(engine.clock)
+            o["long_ttft"].append(engine.records[-1].ttft)
+            o["short_gap_max"].append(max(gaps))
+            o["short_gap_median"].append(statistics.median(gaps))
+    return out
+
+
+def format_chunked_prefill_times(times: dict) -> str:
+    """:func:`chunked_prefill_times` as a table of medians over the rounds (quartiles in brackets)."""
+    def cell(values, scale=1e3):
+        mid, q1, q3 = median_and_quartiles([v * scale for v in values])
+        return f"{mid:.0f} ({q1:.0f}-{q3:.0f})"
+
+    lines = [f"{'token budget':>13}{'long prompt TTFT ms':>24}{'longest gap ms':>20}{'median gap ms':>18}{'all steps ms':>20}"]
+    for budget, o in times.items():
+        name = "whole prompt" if budget is None else str(budget)
+        lines.append(f"{name:>13}{cell(o['long_ttft']):>24}{cell(o['short_gap_max']):>20}"
+                     f"{cell(o['short_gap_median']):>18}{cell(o['seconds']):>20}")
+    return "\n".join(lines)
+
+
+def speculative_times(target, drafts: dict, prompt_ids: torch.Tensor, new_tokens: int, ks=(1, 2, 3, 4, 5, 6),
+                      repeats: int = 3, stop=()) -> dict:
+    """Greedy decoding against speculative decoding with each draft and each k, all interleaved.
+
+    ``drafts``: ``{name: make_draft}`` (a fresh draft per run). Returns ``{"greedy": {"seconds": [...],
+    "tokens": [...]}, (name, k): {"seconds", "tokens", "acceptance", "tokens_per_pass"}}``.
+    """
+    from .serving.speculative import speculative_generate
+
+    require_positive_int("new_tokens", new_tokens)
+    out: dict = {"greedy": {}}
+    calls = {}
+
+    def greedy():
+        from .generate import generate
+
+        g = generate(target, prompt_ids, new_tokens, ConcatCache())
+        out["greedy"]["tokens"] = g.new_tokens[0].tolist()
+
+    calls["greedy"] = greedy
+    for name, make in drafts.items():
+        for k in ks:
+            def run(name=name, make=make, k=k):
+                r = speculative_generate(target, make(), prompt_ids, new_tokens, k, stop=stop)
+                out[(name, k)] = {"tokens": r.tokens, "acceptance": r.acceptance, "tokens_per_pass": r.tokens_per_pass}
+            calls[(name, k)] = run
+    seconds = interleaved_calls(calls, repeats, target.device)
+    for key, values in seconds.items():
+        out[key]["seconds"] = values
+    return out
+
+
+def format_speculative_times(times: dict) -> str:
+    """:func:`speculative_times` as a table: acceptance, tokens per target pass, time, and the speed against greedy."""
+    greedy = times["greedy"]
+    mid, q1, q3 = median_and_quartiles(greedy["seconds"])
+    lines = [f"{'draft':<22}{'k':>3}{'accepted':>10}{'tokens/pass':>13}{'seconds':>9}{'speed-up':>10}{'same tokens':>13}",
+             f"{'(greedy, no draft)':<22}{'':>3}{'':>10}{1.0:>13.2f}{mid:>9.2f}{1.0:>10.2f}{'':>13}"]
+    for key, o in times.items():
+        if key == "greedy":
+            continue
+        name, k = key
+        s = median_and_quartiles(o["seconds"])[0]
+        ratios = sorted(g / x for g, x in zip(greedy["seconds"], o["seconds"]))
+        speed = f"{statistics.median(ratios):.2f}"
+        same = "yes" if o["tokens"] == greedy["tokens"][: len(o["tokens"])] and len(o["tokens"]) <= len(greedy["tokens"]) else "NO"
+        lines.append(f"{name:<22}{k:>3}{o['acceptance']:>9.0%}{o['tokens_per_pass']:>13.2f}{s:>9.2f}{speed:>10}{same:>13}")
+    lines.append(f"speed-up: the median of the per-round ratios (greedy seconds / speculative seconds), "
+                 f"{len(greedy['seconds'])} interleaved rounds")
+    return "\n".join(lines)
