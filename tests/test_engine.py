@@ -155,12 +155,15 @@ def test_a_pool_too_small_preempts_and_recomputes_yet_every_answer_is_the_same()
     engine = Engine(model, num_blocks=12, block_size=4, max_batch=5, prefix_caching=False)
     for p in ps:
         engine.add(p, NEW)
-    while engine.step() is not None:
+    expected = [0] * len(ps)  # each comeback re-reads the prompt and every token produced before (no prefix caching)
+    while (step := engine.step()) is not None:
         engine.paged.check_invariants()
+        for i in step.preempted:
+            expected[i] += len(engine.records[i].prompt) + len(engine.records[i].tokens)
     assert sum(r.preemptions for r in engine.records) > 0
     assert [r.tokens for r in engine.records] == [greedy_alone(model, p) for p in ps]
-    for r in engine.records:  # without prefix caching, each comeback re-reads the prompt and what it had produced
-        assert (r.recomputed_tokens > 0) == (r.preemptions > 0)
+    assert [r.recomputed_tokens for r in engine.records] == expected
+    assert all(len(r.token_times) == NEW for r in engine.records)  # no token was produced twice
 
 
 def test_the_next_chat_turn_reads_the_last_turn_from_the_prefix_cache():
