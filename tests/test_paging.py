@@ -724,6 +724,162 @@ def test_simulation_rejects_bad_arguments():
         simulate(reqs, 4096, policy="buddy")
     with pytest.raises(ValueError, match="capacity"):
         simulate(reqs, 0)
+    with pytest.raises(ValueError, match="preemption must be 'recompute' or 'swap', got 'evict'"):
+        simulate(reqs, 4096, preemption="evict")
+    with pytest.raises(ValueError, match="token_budget must be positive, got 0"):
+        simulate(reqs, 4096, token_budget=0)
+    with pytest.raises(ValueError, match="token_budget must be an integer"):
+        simulate(reqs, 4096, token_budget=2048.0)
+    with pytest.raises(ValueError, match="preemption='swap' needs swap_blocks"):
+        simulate(reqs, 4096, preemption="swap")
+    with pytest.raises(ValueError, match="swap_blocks must be non-negative, got -1"):
+        simulate(reqs, 4096, preemption="swap", swap_blocks=-1)
+    with pytest.raises(ValueError, match="swap_blocks is used only with preemption='swap'"):
+        simulate(reqs, 4096, swap_blocks=64)
+    with pytest.raises(ValueError, match="needs policy='paged'"):
+        simulate(reqs, 4096, policy="contiguous", preemption="swap", swap_blocks=64)
+    with pytest.raises(ValueError, match="request ids must be unique: 0 appears twice"):
+        simulate([Request(0, 0, 5, 5), Request(0, 1, 5, 5)], 4096)
+    with pytest.raises(ValueError, match="request 1's output_len must be positive, got 0"):
+        simulate([Request(0, 0, 5, 5), Request(1, 1, 5, 0)], 4096)
+    with pytest.raises(ValueError, match="q must be a percentage"):
+        simulate(reqs, 4096).ttft_percentile(0)
+
+
+# The three hand-worked runs below write out every step; a step index counts from 0, and time to first
+# token (TTFT) counts the steps from arrival to the first output token, that step included.
+
+def test_prefill_costs_steps_under_a_token_budget():
+    """Budget 8 tokens per step, blocks of 4 (plenty of them). A: arrives 0, prompt 10, output 3;
+    B: arrives 0, prompt 6, output 2; C: arrives 2, prompt 9, output 2.
+
+    step 0: A's prompt, first chunk of 8 (budget spent; B waits)                         -> 8 tokens
+    step 1: A's last 2 prompt tokens (A's 1st token); B's whole prompt, 6 (B's 1st token)  -> 8
+    step 2: decodes first: A (2nd), B (2nd, B done); then C's prompt, 6 of 9             -> 8
+    step 3: A decodes (3rd, A done); C's last 3 prompt tokens (C's 1st token)            -> 4
+    step 4: C decodes (2nd, C done)                                                      -> 1
+    """
+    requests = [Request(0, 0, 10, 3), Request(1, 0, 6, 2), Request(2, 2, 9, 2)]
+    r = simulate(requests, capacity=64, policy="paged", block_size=4, token_budget=8)
+    assert r.batched == [8, 8, 8, 4, 1] and r.steps == 5
+    assert {i: (o.first_token_step, o.ttft, o.finish_step) for i, o in r.requests.items()} == {
+        0: (1, 2, 3), 1: (1, 2, 2), 2: (3, 2, 4)}
+    assert r.mean_ttft == 2 and r.ttft_percentile(50) == 2 and r.throughput == 7 / 5
+    assert r.preempted == r.recomputed_tokens == 0
+    # A budget no step can use up makes prefill cost no extra step: each first token comes in the arrival
+    # step, the last one output_len - 1 steps later (how this simulation treated prefill before it had a cost).
+    free = simulate(requests, capacity=64, policy="paged", block_size=4, token_budget=64)
+    assert {i: (o.ttft, o.finish_step) for i, o in free.requests.items()} == {0: (1, 2), 1: (1, 1), 2: (1, 3)}
+    assert free.batched == [10 + 6, 1 + 1, 1 + 9, 1]
+
+
+PREEMPTED = [Request(0, 0, 3, 4), Request(1, 0, 3, 3)]  # A and B, in a pool of 4 blocks of 2 slots
+
+
+def test_recompute_preemption_keeps_the_output_and_prefills_it_again():
+    """A: prompt 3, output 4; B: prompt 3, output 3; both arrive at step 0; 4 blocks of 2 slots; budget 100.
+
+    step 0: A and B prefill 3 tokens each (2 blocks each; pool full); both produce their 1st token -> 6
+    step 1: both decode (4 tokens each: still 2 blocks each); 2nd tokens                          -> 2
+    step 2: A's 5th token needs a 3rd block, none is free: B (admitted last) is preempted; its
+            4 cached tokens are dropped, its 2 output tokens kept; A decodes its 3rd token        -> 1
+    step 3: A decodes its 4th token and is done (frees its 3 blocks at the end of the step);
+            B needs 3 blocks for prompt 3 + output 2 and only 1 is free: it waits                 -> 1
+    step 4: B prefills its prompt and its 2 output tokens, 5 tokens, and produces its 3rd: done   -> 5
+    """
+    r = simulate(PREEMPTED, capacity=8, policy="paged", block_size=2, token_budget=100)
+    assert r.batched == [6, 2, 1, 1, 5]
+    assert r.preempted == 1 and r.recomputed_tokens == 4 and r.swapped_out_blocks == r.swapped_in_blocks == 0
+    a, b = r.requests[0], r.requests[1]
+    assert (a.finish_step, a.preemptions) == (3, 0)
+    assert (b.generated, b.first_token_step, b.finish_step, b.preemptions, b.recomputed_tokens) == (3, 0, 4, 1, 4)
+    # Every token of every prompt and output is computed once (the last output token never), plus the recomputed ones.
+    assert sum(r.batched) == (3 + 4 - 1) + (3 + 3 - 1) + 4
+
+
+def test_no_request_is_admitted_in_a_step_that_preempted():
+    """A: prompt 1, output 3; B: prompt 3, output 3; both arrive at step 0; 4 blocks of 2 slots; budget 4.
+
+    step 0: A prefills 1 token (1 block), B 3 tokens (2 blocks); both produce their 1st token       -> 4
+    step 1: both decode, their 2nd tokens, in the blocks they hold                                  -> 2
+    step 2: A takes the last free block, decodes its 3rd token and is done; B needs a 3rd block,
+            none is free, and B itself is the latest admitted: B is preempted. Its 2 blocks are
+            free now, but nothing is admitted in this step                                          -> 1
+    step 3: B prefills 4 of its 5 tokens (prompt 3 + output 2; the budget is 4)                     -> 4
+    step 4: B's 5th token, and its 3rd output token: done                                           -> 1
+    Readmitting B at step 2 with a chunk of 3 would give 4, 2, 4, 2: memory just found short, refilled at once.
+    """
+    r = simulate([Request(0, 0, 1, 3), Request(1, 0, 3, 3)], capacity=8, policy="paged", block_size=2, token_budget=4)
+    assert r.batched == [4, 2, 1, 4, 1]
+    assert (r.preempted, r.recomputed_tokens, r.requests[1].finish_step, r.requests[0].finish_step) == (1, 4, 4, 2)
+
+
+@pytest.mark.parametrize("swap_blocks", [2, 5])
+def test_swap_preemption_moves_the_victims_blocks_and_recomputes_nothing(swap_blocks):
+    """The same run with swap: at step 2, B's 2 blocks (4 tokens) go to host memory; at step 3 B needs
+    3 blocks (its 4 cached tokens and the next one) and 1 is free; at step 4 its 2 blocks come back
+    and it decodes 1 token, its 3rd, instead of prefilling 5."""
+    r = simulate(PREEMPTED, capacity=8, policy="paged", block_size=2, token_budget=100, preemption="swap", swap_blocks=swap_blocks)
+    assert r.batched == [6, 2, 1, 1, 1]
+    assert (r.preempted, r.swapped_out_blocks, r.swapped_in_blocks, r.recomputed_tokens, r.swap_fallbacks) == (1, 2, 2, 0, 0)
+    b = r.requests[1]
+    assert (b.generated, b.finish_step, b.recomputed_tokens) == (3, 4, 0)
+
+
+def test_swap_falls_back_to_recompute_when_host_memory_is_full():
+    """With room for 1 block in host memory, B's 2 blocks do not fit: B is recomputed, step for step as above."""
+    r = simulate(PREEMPTED, capacity=8, policy="paged", block_size=2, token_budget=100, preemption="swap", swap_blocks=1)
+    assert r.batched == [6, 2, 1, 1, 5]
+    assert (r.swap_fallbacks, r.swapped_out_blocks, r.swapped_in_blocks, r.recomputed_tokens) == (1, 0, 0, 4)
+    assert any("recomputed instead" in line for line in r.assumptions())
+
+
+@pytest.mark.parametrize("token_budget", [16, 64])
+@pytest.mark.parametrize("policy, preemption, swap_blocks", [
+    ("contiguous", "recompute", None), ("paged", "recompute", None), ("paged", "swap", 8), ("paged", "swap", 1000),
+], ids=["contiguous", "recompute", "swap-small", "swap-large"])
+def test_simulation_conserves_every_request_and_token(token_budget, policy, preemption, swap_blocks):
+    """On a workload that preempts often: every request finishes with exactly its output length; the tokens
+    computed are every prompt and output token once (the last output token never) plus those recomputed; no
+    step goes over the budget or the cache; every swapped-out block comes back."""
+    requests = make_workload(60, seed=1, mean_prompt=60, mean_output=40, max_len=256, arrivals_per_step=0.5)
+    r = simulate(requests, capacity=512, policy=policy, block_size=8, max_len=256, token_budget=token_budget,
+                 preemption=preemption, swap_blocks=swap_blocks)
+    assert r.finished == len(requests) == len(r.requests)
+    for q in requests:
+        o = r.requests[q.id]
+        assert o.generated == q.output_len
+        assert q.arrival <= o.first_token_step <= o.finish_step < r.steps
+        assert o.finish_step - o.first_token_step >= q.output_len - 1  # one output token per step at most
+    assert sum(r.batched) == sum(q.prompt_len + q.output_len - 1 for q in requests) + r.recomputed_tokens
+    assert r.recomputed_tokens == sum(o.recomputed_tokens for o in r.requests.values())
+    assert max(r.batched) <= token_budget and max(r.held) <= 512
+    assert all(u <= h for u, h in zip(r.used, r.held))
+    assert r.swapped_in_blocks == r.swapped_out_blocks
+    assert r.throughput == sum(q.output_len for q in requests) / r.steps
+    if policy == "paged":
+        assert r.preempted > 0
+        assert (r.swapped_out_blocks > 0) == (preemption == "swap")
+        assert (r.recomputed_tokens > 0) == (swap_blocks != 1000)  # a small host memory falls back to recompute
+        assert (r.swap_fallbacks > 0) == (swap_blocks == 8)
+    else:
+        assert r.preempted == 0
+
+
+def test_assumptions_name_the_settings_of_the_run():
+    requests = make_workload(5)
+    paged = simulate(requests, 4096, token_budget=512, preemption="swap", swap_blocks=64).assumptions()
+    contiguous = simulate(requests, 4096, policy="contiguous", max_len=2048, max_new_tokens=2000).assumptions()
+    for lines in (paged, contiguous):
+        assert all(line[0].isupper() and line.endswith(".") for line in lines)
+        assert any("Not modelled" in line for line in lines)
+    assert any("at most 512 tokens" in line for line in paged)
+    assert any("blocks of 16 slots" in line for line in paged)
+    assert any("host memory of 64 blocks" in line for line in paged)
+    assert any("plus 2,000 output slots" in line for line in contiguous)
+    assert any("nothing is preempted" in line for line in contiguous)
+    recompute = simulate(requests, 4096).assumptions()
+    assert any("output so far is kept" in line for line in recompute)
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,8 @@ One concept per module:
   copy-on-write, prefix hashing, invariants): the bookkeeping alone;
 - ``attention``: attention through a block table, gathered or block by block;
 - ``pool``: ``PagedKVCache``, one K/V pool per layer, and ``view(seq)``, a sequence seen as a cache;
-- ``simulate``: a serving simulation, contiguous reservation against paging;
+- ``simulate``: a serving simulation, contiguous reservation against paging, with a token
+  budget per step (prefill costs steps) and preemption by recompute or swap;
 - ``scenario``: the scripted events lesson 06's block-table widget plays.
 """
 
@@ -22,10 +23,10 @@ from .attention import gather_kv, paged_attention, paged_attention_blockwise, sl
 from .blocks import ROOT_HASH, BlockAllocator, BlockTables, PoolExhaustedError, chain_hash
 from .pool import PagedKVCache, PagedSequenceView
 from .scenario import block_scenario
-from .simulate import Request, SimResult, make_workload, simulate
+from .simulate import Request, RequestOutcome, SimResult, make_workload, simulate
 
 __all__ = [
     "ROOT_HASH", "BlockAllocator", "BlockTables", "PagedKVCache", "PagedSequenceView", "PoolExhaustedError",
-    "Request", "SimResult", "block_scenario", "chain_hash", "gather_kv", "make_workload",
+    "Request", "RequestOutcome", "SimResult", "block_scenario", "chain_hash", "gather_kv", "make_workload",
     "paged_attention", "paged_attention_blockwise", "simulate", "slot_indices",
 ]
