@@ -10,6 +10,7 @@ import argparse
 import platform
 import statistics
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -568,6 +569,8 @@ def main(argv=None) -> None:
             print(f"SmolLM2-135M decode step: a full cache against an eviction budget of 256 per KV head (lesson 10), "
                   f"{args.model_repeats} interleaved repeats")
             print(format_eviction_times(eviction_decode_times(smol, budget=256, repeats=args.model_repeats)))
+            print()
+            _serving_benchmarks(smol, args.model_repeats)
             del smol
             print()
             r = smollm2_decode_times(new_tokens=n, repeats=args.model_repeats, device=dev)
@@ -587,6 +590,25 @@ def main(argv=None) -> None:
                       f"{g['prompt_len']}-token prompt (prefill included), {args.model_repeats} interleaved repeats; "
                       f"kvlessons with fused projections")
                 print(format_generate_comparison(g, ceilings.bandwidth.median))
+
+
+def _serving_benchmarks(model, repeats: int) -> None:
+    """Lesson 11's measurements on SmolLM2: the engine at batch limits 1 to 8, and speculative decoding."""
+    from .pretrained import chat_ids, load_tokenizer, stop_ids
+    from .serving import PromptLookupDraft
+
+    tok = load_tokenizer()
+    questions = ["What is the capital of France?", "Name three fruits.", "How do plants grow?", "What is 2+2?",
+                 "Tell me a fact about the moon.", "Why do cats purr?", "What is rain?", "Describe a tree."]
+    requests = [dict(prompt=chat_ids(tok, q, device=model.device), new_tokens=16, arrival=i) for i, q in enumerate(questions)]
+    print(f"SmolLM2-135M in lesson 11's engine: 8 requests of 16 tokens arriving a step apart, {repeats} interleaved rounds")
+    print(format_engine_batch_times(engine_batch_times(model, requests, repeats=repeats)))
+    print()
+    edit = chat_ids(tok, "Fix the spelling: The cahce stores the keys and valuse of evrey token the modle has read, "
+                         "so each new tokne computes only its own.", device=model.device)
+    print("SmolLM2-135M, speculative decoding with a prompt-lookup draft (lesson 11), against greedy")
+    print(format_speculative_times(speculative_times(model, {"prompt lookup": PromptLookupDraft}, edit, 40,
+                                                     repeats=repeats, stop=stop_ids(tok))))
 
 
 def quantized_decode_cost(model, seq_len: int, fmt: str = "nvfp4", residual: int = 0, new_tokens: int = 8,
@@ -677,12 +699,12 @@ def _engine_requests(engine, requests) -> None:
 
 
 def engine_batch_times(model, requests, batch_limits=(1, 2, 4, 8), repeats: int = 3, num_blocks: int = 512,
-                       block_size: int = 16) -> dict:
+                       block_size: int = 16, warmup: bool = True) -> dict:
     """The same requests served by :class:`~kvlessons.serving.engine.Engine` at each batch limit, interleaved.
 
     ``requests``: dicts with ``prompt`` (ids), ``new_tokens`` and optionally ``arrival`` (a step)
     and ``stop``. Each round runs every batch limit once on a fresh engine (rounds
-    interleaved, a warm-up round first, not kept). Returns ``{limit: {"seconds": [wall
+    interleaved; with ``warmup`` a first round is run and not kept). Returns ``{limit: {"seconds": [wall
     seconds per round], "tokens": generated tokens, "ttft": [median TTFT per round],
     "latency": [median latency per round], "step": {running: [decode-only step seconds]}}}``.
     """
@@ -692,12 +714,12 @@ def engine_batch_times(model, requests, batch_limits=(1, 2, 4, 8), repeats: int 
     for limit in batch_limits:
         require_positive_int("batch_limits", limit)
     out = {limit: {"seconds": [], "ttft": [], "latency": [], "step": {}, "tokens": 0} for limit in batch_limits}
-    for round_ in range(repeats + 1):
+    for round_ in range(repeats + warmup):
         for limit in batch_limits:
             engine = Engine(model, num_blocks=num_blocks, block_size=block_size, max_batch=limit, prefix_caching=False)
             _engine_requests(engine, requests)
             seconds = _timed(engine.run, model.device)
-            if not round_:
+            if warmup and not round_:
                 continue
             o = out[limit]
             o["seconds"].append(seconds)
@@ -730,7 +752,8 @@ def format_engine_batch_times(times: dict) -> str:
     return "\n".join(lines)
 
 
-def chunked_prefill_times(model, short, long, budgets=(None, 64), repeats: int = 3, block_size: int = 16) -> dict:
+def chunked_prefill_times(model, short, long, budgets=(None, 64), repeats: int = 3, block_size: int = 16,
+                          warmup: bool = True) -> dict:
     """Short requests decoding while a long prompt arrives, served with each per-step token budget, interleaved.
 
     ``short``: requests (as in :func:`engine_batch_times`) already decoding; ``long``: one
@@ -745,13 +768,13 @@ def chunked_prefill_times(model, short, long, budgets=(None, 64), repeats: int =
     requests = list(short) + [long]
     need = sum(-(-(len(r["prompt"][0]) + r["new_tokens"]) // block_size) for r in requests)
     out = {b: {"seconds": [], "long_ttft": [], "short_gap_max": [], "short_gap_median": []} for b in budgets}
-    for round_ in range(repeats + 1):
+    for round_ in range(repeats + warmup):
         for budget in budgets:
             engine = Engine(model, num_blocks=need + 1, block_size=block_size, max_batch=len(requests),
                             token_budget=budget, prefix_caching=False)
             _engine_requests(engine, requests)
             engine.run()
-            if not round_:
+            if warmup and not round_:
                 continue
             gaps = [g for r in engine.records[:-1] for g in r.inter_token]
             o = out[budget]
@@ -780,6 +803,10 @@ def speculative_times(target, drafts: dict, prompt_ids: torch.Tensor, new_tokens
                       repeats: int = 3, stop=()) -> dict:
     """Greedy decoding against speculative decoding with each draft and each k, all interleaved.
 
+    Greedy runs the same loop with a draft that proposes nothing, so both sides stop at
+    the same ``stop`` tokens and pay the same overheads; only the drafting and the
+    multi-token verification differ.
+
     ``drafts``: ``{name: make_draft}`` (a fresh draft per run). Returns ``{"greedy": {"seconds": [...],
     "tokens": [...]}, (name, k): {"seconds", "tokens", "acceptance", "tokens_per_pass"}}``.
     """
@@ -789,11 +816,17 @@ def speculative_times(target, drafts: dict, prompt_ids: torch.Tensor, new_tokens
     out: dict = {"greedy": {}}
     calls = {}
 
-    def greedy():
-        from .generate import generate
+    class NoDraft:  # proposes nothing: every round is one plain greedy decode step, in the same loop
+        atomic = staticmethod(nullcontext)
 
-        g = generate(target, prompt_ids, new_tokens, ConcatCache())
-        out["greedy"]["tokens"] = g.new_tokens[0].tolist()
+        def propose(self, known, k):
+            return []
+
+        def rollback(self, length):
+            pass
+
+    def greedy():
+        out["greedy"]["tokens"] = speculative_generate(target, NoDraft(), prompt_ids, new_tokens, 1, stop=stop).tokens
 
     calls["greedy"] = greedy
     for name, make in drafts.items():

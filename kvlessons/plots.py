@@ -1,4 +1,4 @@
-"""Matplotlib figures for the lessons (01 to 06). They draw what other modules computed; they compute nothing."""
+"""Matplotlib figures for the lessons. They draw what other modules computed; they compute nothing."""
 
 from __future__ import annotations
 
@@ -148,7 +148,7 @@ def plot_simulation(results: dict):
     axes[1].set_title("sequences running")
     axes[2].set_title("free slots outside the largest free run")
     for ax in axes:
-        ax.set_xlabel("decode step")
+        ax.set_xlabel("step (prefill chunks and decode tokens)")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=6)
     axes[1].legend(fontsize=7)
@@ -254,5 +254,101 @@ def plot_quality_sweep(sweep: dict, title: str = ""):
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
     ax.set_title(title or "Quality against kept fraction")
+    fig.tight_layout()
+    return fig
+
+
+def plot_batch_layout(layout, names=None, title: str = ""):
+    """One batched step's mask (lesson 11): new tokens down, gathered pool slots across, each sequence in its colour.
+
+    ``layout`` is a :class:`kvlessons.serving.engine.BatchLayout`. A cell is coloured where
+    the token may attend; grey columns are slots of another sequence's blocks (masked),
+    white ones the unused tail of a last block.
+    """
+    import numpy as np
+
+    mask = layout.mask.cpu().numpy()
+    q_seq, k_seq = layout.query_seq.cpu().numpy(), layout.key_seq.cpu().numpy()
+    colours = np.array([[0.31, 0.47, 0.65], [0.95, 0.56, 0.17], [0.35, 0.63, 0.31], [0.88, 0.34, 0.35],
+                        [0.69, 0.48, 0.63], [0.46, 0.72, 0.70]])
+    image = np.ones(mask.shape + (3,))
+    image[q_seq[:, None] != k_seq[None, :]] = 0.88  # another sequence's slot
+    image[mask] = colours[q_seq % len(colours)][:, None, :].repeat(mask.shape[1], 1)[mask]
+    fig, ax = plt.subplots(figsize=(min(12, 0.16 * mask.shape[1] + 2), 0.22 * mask.shape[0] + 1.4))
+    ax.imshow(image, aspect="auto", interpolation="nearest")
+    bounds = np.flatnonzero(np.diff(k_seq)) + 0.5
+    for x in bounds:
+        ax.axvline(x, color="black", lw=0.8)
+    for y in np.flatnonzero(np.diff(q_seq)) + 0.5:
+        ax.axhline(y, color="black", lw=0.8)
+    names = names or [f"seq {j}" for j in range(int(q_seq.max()) + 1)]
+    starts = [0, *(int(b + 0.5) for b in np.flatnonzero(np.diff(q_seq)) + 1)]
+    ax.set_yticks(starts, labels=[f"{names[q_seq[s]]}, pos {int(layout.positions[s])}" for s in starts], fontsize=7)
+    ax.set_xlabel("gathered pool slots (every block of every sequence's table, in order)")
+    ax.set_ylabel("new tokens (packed)")
+    ax.set_title(title or "One batched step: who may attend to what")
+    fig.tight_layout()
+    return fig
+
+
+def plot_engine_timeline(steps, num_blocks: int, title: str = ""):
+    """Requests running and waiting, and the pool's free blocks, step by step (lesson 11's engine)."""
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 3.2))
+    xs = [s.step for s in steps]
+    ax.step(xs, [s.running for s in steps], where="post", label="running")
+    ax.step(xs, [s.waiting for s in steps], where="post", label="waiting or not arrived")
+    for s in steps:
+        if s.finished:
+            ax.axvline(s.step, color="grey", lw=0.6, ls=":")
+    ax.set_xlabel("engine step")
+    ax.set_ylabel("requests")
+    ax.set_title("the batch: dotted lines where a request finished")
+    ax.legend(fontsize=8)
+    bx.step(xs, [s.free_blocks for s in steps], where="post", label="free")
+    bx.step(xs, [s.kept_blocks for s in steps], where="post", label="kept for prefix reuse")
+    bx.axhline(num_blocks, color="black", lw=0.8, ls="--", label="pool")
+    bx.set_xlabel("engine step")
+    bx.set_ylabel("blocks")
+    bx.set_title("the pool after each step")
+    bx.legend(fontsize=8)
+    for a in (ax, bx):
+        a.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def plot_batch_throughput(times: dict, title: str = ""):
+    """Lesson 11: tokens per second against the batch limit (median, quartile bars), and a decode step's time by batch."""
+    import statistics
+
+    from .bench import median_and_quartiles
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 3.4))
+    limits = list(times)
+    rates = [[times[b]["tokens"] / s for s in times[b]["seconds"]] for b in limits]
+    mids = [median_and_quartiles(r) for r in rates]
+    ax.errorbar(limits, [m for m, _, _ in mids], yerr=[[m - lo for m, lo, _ in mids], [hi - m for m, _, hi in mids]],
+                marker="o", capsize=3)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(limits, labels=[str(b) for b in limits])
+    ax.set_xlabel("batch limit (max_num_seqs)")
+    ax.set_ylabel("generated tokens per second")
+    ax.set_title("throughput, median and quartiles")
+    steps: dict[int, list[float]] = {}
+    for o in times.values():
+        for n, v in o["step"].items():
+            steps.setdefault(n, []).extend(v)
+    ns = sorted(steps)
+    bx.plot(ns, [statistics.median(steps[n]) * 1e3 for n in ns], marker="o")
+    bx.set_ylim(bottom=0)
+    bx.set_xlabel("sequences in the decode step")
+    bx.set_ylabel("ms per step (median)")
+    bx.set_title("one decode step: the weights are read once for all")
+    for a in (ax, bx):
+        a.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     return fig

@@ -183,6 +183,25 @@ def chat_ids(tokenizer, question: str, system: str | None = None, device=None) -
     return torch.tensor([tokenizer.encode(text, add_special_tokens=False)], device=device)
 
 
+def continue_chat_ids(tokenizer, history, answer, question: str, device=None) -> torch.Tensor:
+    """The next turn's prompt as token ids (1, T): ``history`` (the last prompt's ids), ``answer`` (the ids the
+    model generated), then the new user ``question`` and the assistant's turn, in the chat template's format.
+
+    Built from ids, not text: the history stays exactly the tokens the cache holds, so a
+    prefix cache finds them. (Decoding the answer and letting the template re-tokenize the
+    whole conversation can split a word differently, and then the cached blocks no
+    longer match from that point on.) SmolLM2's template is ChatML: each turn is
+    ``<|im_start|>role\ncontent<|im_end|>\n``; an answer cut short gets its ``<|im_end|>``.
+    """
+    history = torch.as_tensor(history).reshape(-1).tolist()
+    answer = torch.as_tensor(answer).reshape(-1).tolist()
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if not answer or answer[-1] != end:
+        answer = answer + [end]
+    turn = f"\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+    return torch.tensor([history + answer + tokenizer.encode(turn, add_special_tokens=False)], device=device)
+
+
 def stop_ids(tokenizer) -> set[int]:
     """Token ids that end the assistant's turn (end of text, and the chat template's end of turn)."""
     ids = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}

@@ -189,3 +189,28 @@ def test_quantized_decode_cost_times_both_caches_on_the_same_text():
     assert "nvfp4" in bench.format_decode_comparison(runs, baseline="full precision")
     with pytest.raises(ValueError, match="fmt"):
         bench.quantized_decode_cost(model, 12, "int3")
+
+
+def test_lesson11_benchmarks_on_a_tiny_model():
+    """The engine sweep, the chunked-prefill runs and the speculative runs: every round kept, tokens counted."""
+    from conftest import random_ids, small_model
+    from kvlessons.bench import (
+        chunked_prefill_times, engine_batch_times, format_chunked_prefill_times, format_engine_batch_times,
+        format_speculative_times, speculative_times,
+    )
+    from kvlessons.serving import PromptLookupDraft
+
+    model = small_model(vocab_size=64, head_dim=16)
+    requests = [dict(prompt=random_ids(1, 5 + i, vocab=64, seed=i), new_tokens=4, arrival=i) for i in range(4)]
+    sweep = engine_batch_times(model, requests, batch_limits=(1, 4), repeats=2, block_size=4, num_blocks=64)
+    assert all(len(o["seconds"]) == 2 and o["tokens"] == 16 for o in sweep.values())
+    assert max(sweep[4]["step"]) > 1 and max(sweep[1]["step"]) == 1  # batch 1 never decodes two at once
+    assert "batch limit 4" in format_engine_batch_times(sweep)
+    long = dict(prompt=random_ids(1, 30, vocab=64, seed=9), new_tokens=2, arrival=2)
+    chunked = chunked_prefill_times(model, requests[:2], long, budgets=(None, 8), repeats=1, block_size=4)
+    assert set(chunked) == {None, 8} and all(len(o["long_ttft"]) == 1 for o in chunked.values())
+    assert "whole prompt" in format_chunked_prefill_times(chunked)
+    spec = speculative_times(model, {"lookup": PromptLookupDraft}, random_ids(1, 8, vocab=64), 10, ks=(1, 3), repeats=1)
+    assert all(spec[("lookup", k)]["tokens"] == spec["greedy"]["tokens"] for k in (1, 3))
+    table = format_speculative_times(spec)
+    assert "NO" not in table and table.count("lookup") == 2

@@ -131,8 +131,8 @@ def test_batch_sizes_follow_arrivals_and_departures():
     engine.run()
     first, second, third = engine.records
     # Step 0 reads both prompts and chooses their first tokens; steps 1 and 2 decode: the first has its 3 tokens.
-    assert first.finish_step == 2
-    assert third.admitted_step == 3
+    assert first.finish_step == 2 and first.first_token_step == 0
+    assert third.admitted_step == 3 and third.first_token_step == 3
     assert [s.running for s in engine.steps[:4]] == [2, 2, 2, 2]
     assert engine.paged.allocator.num_free == engine.paged.allocator.num_blocks  # every block came back
 

@@ -219,3 +219,20 @@ def test_config_matches_the_preset():
     p = PRESETS["SmolLM2-135M"].shape
     assert (SMOLLM2_CONFIG.layers, SMOLLM2_CONFIG.q_heads, SMOLLM2_CONFIG.kv_heads, SMOLLM2_CONFIG.head_dim) == (
         p.layers, p.q_heads, p.kv_heads, p.head_dim)
+
+
+@needs_model
+def test_the_next_chat_turn_from_ids_is_what_the_template_renders():
+    from kvlessons.pretrained import continue_chat_ids, load_tokenizer
+
+    tok = load_tokenizer()
+    first = chat_ids(tok, "What is a token?", system="Be brief.")
+    answer = tok.encode("A token is a piece of text.", add_special_tokens=False)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a token?"},
+                {"role": "assistant", "content": "A token is a piece of text."}, {"role": "user", "content": "And a cache?"}]
+    rendered = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    for ended in (answer, answer + [end]):  # cut short, or stopped at its end-of-turn token
+        ids = continue_chat_ids(tok, first, ended, "And a cache?")
+        assert tok.decode(ids[0]) == rendered
+        assert ids[0, : first.shape[1]].tolist() == first[0].tolist()  # the history is kept token for token

@@ -43,7 +43,8 @@ COLAB_BADGE = "https://colab.research.google.com/assets/colab-badge.svg"
 BINDER_BADGE = "https://mybinder.org/badge_logo.svg"
 # The lessons that load a real model (SmolLM2) or transformers' DeepSeek-V3 need transformers and the
 # model package on Colab as well.
-MODEL_LESSONS = ("08_real_model.ipynb", "09_latent_attention.ipynb", "10_sequence_compression.ipynb")
+MODEL_LESSONS = ("08_real_model.ipynb", "09_latent_attention.ipynb", "10_sequence_compression.ipynb",
+                 "11_serving_engine.ipynb")
 # Peers a lesson checks against in the notebook itself, installed on Colab at this course's pins.
 PEER_PINS = {"10_sequence_compression.ipynb": ("kvpress", "datasets", "cachetools")}
 MODEL_PINS = ("transformers", "accelerate", "gguf")

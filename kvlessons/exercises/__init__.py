@@ -1,4 +1,4 @@
-"""Checkers for the lessons' exercises (every lesson, 01 to 10): they say what is wrong, in words, and hint before they tell.
+"""Checkers for the lessons' exercises (every lesson, 01 to 11): they say what is wrong, in words, and hint before they tell.
 
 A checker takes the learner's value as an argument (never reads notebook globals),
 compares it with the answer computed by kvlessons, and recognises the common wrong

@@ -99,16 +99,49 @@ def _check_model(model, paged: PagedKVCache) -> None:
         raise ValueError("paged must be a pool built for this model's shape (PagedKVCache(model.shape, ...))")
 
 
-@torch.inference_mode()
-def batched_forward(model, paged: PagedKVCache, batch) -> torch.Tensor:
-    """Run the new tokens of several paged sequences through the model in one pass.
+@dataclass(frozen=True)
+class BatchLayout:
+    """Where a batched step's tokens go and what each may see (all on the model's device).
 
-    ``batch`` is a list of ``(seq_id, token_ids)``: each sequence's next tokens (one
-    for a decode step, several for a prompt or a piece of one), appended after what
-    the sequence holds. Returns the logits of each sequence's last new token, (len(batch), vocab).
-    All or nothing: if anything raises (Ctrl-C included), the pool's bookkeeping is as
-    before the call (what was written lies past the sequences' lengths, where nobody reads).
+    positions: (N,) each new token's position in its own sequence (the packed row's order).
+    new_slots: (N,) the pool slot (block * block_size + offset) each new token's K/V is written to.
+    blocks:    (G,) the blocks gathered for attention: every sequence's table, one after another.
+    query_seq, key_seq: which sequence (index in the batch) each new token and each gathered slot belongs to.
+    key_pos:   (G * block_size,) the position each gathered slot holds in its sequence.
+    mask:      (N, G * block_size) True where a new token may attend to a gathered slot.
     """
+
+    positions: torch.Tensor
+    new_slots: torch.Tensor
+    blocks: torch.Tensor
+    query_seq: torch.Tensor
+    key_seq: torch.Tensor
+    key_pos: torch.Tensor
+    mask: torch.Tensor
+
+
+def _layout(paged: PagedKVCache, seqs, ids, starts, dev) -> BatchLayout:
+    """The layout of a step whose positions are already reserved (see :class:`BatchLayout`)."""
+    bs = paged.block_size
+    positions, new_slots, blocks, q_seq, k_seq, k_pos = [], [], [], [], [], []
+    for j, (s, toks, start) in enumerate(zip(seqs, ids, starts)):
+        end = start + len(toks)
+        table = paged._seq(s).table[: math.ceil(end / bs)]
+        positions.append(torch.arange(start, end))
+        new_slots.append(slot_indices(table, end, bs)[start:])
+        blocks.append(torch.tensor(table))
+        q_seq.append(torch.full((len(toks),), j))
+        k_seq.append(torch.full((len(table) * bs,), j))
+        k_pos.append(torch.arange(len(table) * bs))
+    positions, new_slots, blocks, q_seq, k_seq, k_pos = (
+        torch.cat(t).to(dev) for t in (positions, new_slots, blocks, q_seq, k_seq, k_pos))
+    # A token sees the keys of its own sequence at or before its position; slots past the
+    # sequence's end (the unused tail of its last block) are after every query, so never seen.
+    mask = (q_seq[:, None] == k_seq[None, :]) & (k_pos[None, :] <= positions[:, None])
+    return BatchLayout(positions, new_slots, blocks, q_seq, k_seq, k_pos, mask)
+
+
+def _checked_batch(model, paged: PagedKVCache, batch) -> tuple[list[int], list[list[int]]]:
     _check_model(model, paged)
     if not batch:
         raise ValueError("batch must hold at least one (seq_id, token_ids) pair")
@@ -121,33 +154,50 @@ def batched_forward(model, paged: PagedKVCache, batch) -> torch.Tensor:
             raise ValueError(f"batch[{j}] must hold at least one new token")
         if max(toks) >= model.config.vocab_size:
             raise ValueError(f"batch[{j}] token ids must be < vocab_size={model.config.vocab_size}")
-    dev, bs = model.device, paged.block_size
+    return seqs, ids
+
+
+def _reserve(paged: PagedKVCache, seqs, ids) -> list[int]:
+    """Reserve every sequence's new positions (checking ids against declared prompts first); return the starts."""
+    starts = [paged._seq(s).length for s in seqs]
+    for s, toks in zip(seqs, ids):
+        paged._new_ids(paged._seq(s), len(toks), toks)
+    for s, toks in zip(seqs, ids):
+        paged.reserve(s, len(toks))
+    return starts
+
+
+def batch_layout(model, paged: PagedKVCache, batch) -> BatchLayout:
+    """The layout :func:`batched_forward` would use for ``batch``, computed without changing the pool."""
+    seqs, ids = _checked_batch(model, paged, batch)
     state = paged.state()
     try:
-        starts = [paged._seq(s).length for s in seqs]
-        for s, toks in zip(seqs, ids):
-            paged._new_ids(paged._seq(s), len(toks), toks)  # against a declared prompt, before reserving
-        for s, toks in zip(seqs, ids):
-            paged.reserve(s, len(toks))
-        positions, new_slots, blocks, q_seq, k_seq, k_pos = [], [], [], [], [], []
-        for j, (s, toks, start) in enumerate(zip(seqs, ids, starts)):
-            end = start + len(toks)
-            table = paged._seq(s).table[: math.ceil(end / bs)]
-            positions.append(torch.arange(start, end))
-            new_slots.append(slot_indices(table, end, bs)[start:])
-            blocks.append(torch.tensor(table))
-            q_seq.append(torch.full((len(toks),), j))
-            k_seq.append(torch.full((len(table) * bs,), j))
-            k_pos.append(torch.arange(len(table) * bs))  # the position each gathered slot holds in its sequence
-        positions, q_seq, k_seq, k_pos = (torch.cat(t).to(dev) for t in (positions, q_seq, k_seq, k_pos))
-        # A token sees the keys of its own sequence at or before its position; slots past the
-        # sequence's end (the unused tail of its last block) are after every query, so never seen.
-        mask = (q_seq[:, None] == k_seq[None, :]) & (k_pos[None, :] <= positions[:, None])
-        step = _BatchStep(paged, torch.cat(new_slots).to(dev), torch.cat(blocks).to(dev))
+        return _layout(paged, seqs, ids, _reserve(paged, seqs, ids), model.device)
+    finally:
+        paged.set_state(state)
+
+
+@torch.inference_mode()
+def batched_forward(model, paged: PagedKVCache, batch) -> torch.Tensor:
+    """Run the new tokens of several paged sequences through the model in one pass.
+
+    ``batch`` is a list of ``(seq_id, token_ids)``: each sequence's next tokens (one
+    for a decode step, several for a prompt or a piece of one), appended after what
+    the sequence holds. Returns the logits of each sequence's last new token, (len(batch), vocab).
+    All or nothing: if anything raises (Ctrl-C included), the pool's bookkeeping is as
+    before the call (what was written lies past the sequences' lengths, where nobody reads).
+    """
+    seqs, ids = _checked_batch(model, paged, batch)
+    dev = model.device
+    state = paged.state()
+    try:
+        layout = _layout(paged, seqs, ids, _reserve(paged, seqs, ids), dev)
+        step = _BatchStep(paged, layout.new_slots, layout.blocks)
         x = model.embed(torch.tensor([sum(ids, [])], device=dev))  # (1, N, hidden): packed, no padding
-        cos, sin = rope_tables(positions, model.config.rope_dim, model.config.rope_theta)
+        cos, sin = rope_tables(layout.positions, model.config.rope_dim, model.config.rope_theta)
         dtype = model.embed.weight.dtype
-        x = model.run_blocks(range(len(model.blocks)), x, cos.to(dtype), sin.to(dtype), step, mask=mask[None, None])
+        x = model.run_blocks(range(len(model.blocks)), x, cos.to(dtype), sin.to(dtype), step,
+                             mask=layout.mask[None, None])
         last = torch.tensor([len(t) for t in ids], device=dev).cumsum(0) - 1  # each sequence's last new token
         logits = model.head(x[0, last])
         for s, toks in zip(seqs, ids):
@@ -176,7 +226,8 @@ class RequestRecord:
     tokens: list[int] = field(default_factory=list)  # what it generated
     token_times: list[float] = field(default_factory=list)  # when each generated token was ready
     arrival_time: float | None = None  # the clock when it arrived (the start of the step it arrived for)
-    admitted_step: int | None = None
+    admitted_step: int | None = None  # the step it first ran in
+    first_token_step: int | None = None  # the step that produced its first token
     finish_step: int | None = None
     reused_tokens: int = 0  # prompt tokens read from the prefix cache instead of computed (first admission)
     prefill_tokens: int = 0  # tokens it ran through the model before its first output token (every admission)
@@ -378,6 +429,8 @@ class Engine:
                 record.prefill_tokens += len(toks)
             if pending:  # the prompt is not all read yet: no token to choose
                 continue
+            if not record.tokens:
+                record.first_token_step = number
             record.tokens.append(token)
             record.token_times.append(self.clock)
             if len(record.tokens) >= record.max_new_tokens or token in record.stop:
