@@ -298,7 +298,7 @@ def test_engine_knobs_map_each_flag_to_the_course():
         "running requests": ("--max-num-seqs", "--max-running-requests"),
         "context limit": ("--max-model-len", "--context-length"),
         "tokens per step": ("--max-num-batched-tokens", "--chunked-prefill-size"),
-        "preemption": ("--preemption-mode, --swap-space", ""),
+        "preemption": ("--preemption-mode", ""),
     }
     assert {c: (k.vllm, k.sglang) for c, k in rows.items()} == expected
     for knob in ENGINE_KNOBS:

@@ -30,9 +30,9 @@ def test_freed_blocks_right_and_named_slips():
 
 
 def test_requests_fit_right_and_named_slips():
-    # written out: 12 free + B's 5 own blocks = 17; a 45-position request needs ceil(45/16) = 3 blocks; 17 // 3 = 5
-    assert exercises.check_requests_fit(5)
-    cases = {6: "free slots", 4: "before B finished", 8: "rounds down"}
+    # written out: 12 free + B's 5 own blocks = 17; a 24-position request needs ceil(24/16) = 2 blocks; 17 // 2 = 8
+    assert exercises.check_requests_fit(8)
+    cases = {11: "free slots", 6: "before B finished", 9: "shared blocks", 12: "whole pool", 17: "not of requests"}
     for value, words in cases.items():
         fb = exercises.check_requests_fit(value)
         assert not fb and words in fb.message, (value, fb.message)
@@ -53,6 +53,9 @@ def test_verify_round_right_and_named_slips():
 
     assert exercises.check_verify_round(right)
     assert exercises.check_verify_round(lambda p, c, n: (tuple(right(p, c, n)[0]), right(p, c, n)[1]))
+    import torch
+
+    assert exercises.check_verify_round(lambda p, c, n: (torch.tensor(right(p, c, n)[0]), torch.tensor(right(p, c, n)[1])))
     cases = {
         "leaves out the target's own token": lambda p, c, n: (p[: _accepted(p, c)], n + 1 + _accepted(p, c)),
         "one short": lambda p, c, n: (right(p, c, n)[0], n + _accepted(p, c)),
@@ -65,6 +68,9 @@ def test_verify_round_right_and_named_slips():
         "list of ints": lambda p, c, n: (None, 3),
         "still the stub": lambda p, c, n: (_ for _ in ()).throw(NotImplementedError()),
         "IndexError": lambda p, c, n: (p[:1] + [c[len(p) + 3]], n),
+        "a list even when the round emits one token": lambda p, c, n: (c[0], n + 1),
+        "rejected proposal": lambda p, c, n: (p[: _accepted(p, c) + 1], n + 1 + _accepted(p, c)),
+        "start from cached": lambda p, c, n: (right(p, c, n)[0], 1 + _accepted(p, c)),
     }
     for words, fn in cases.items():
         fb = exercises.check_verify_round(fn)

@@ -14,7 +14,7 @@ __all__ = [
 BATCH_POOL_BLOCKS, BATCH_BLOCK_SIZE = 24, 16
 SYSTEM_LEN = 40  # the system prompt the three chats share
 HELD = {"A": 70, "B": 100, "C": 52}  # positions each chat holds in the cache now
-NEWCOMER_LEN = 45  # positions each newcomer will need
+NEWCOMER_LEN = 24  # positions each newcomer will need
 
 
 def batch_scenario():
@@ -89,9 +89,10 @@ REQUESTS_FIT = NumericExercise(
          f"That divides free slots by {NEWCOMER_LEN}: a block belongs to one sequence, so each newcomer takes "
          f"{_PER_NEWCOMER} whole blocks, the last one partly empty."),
         (FREE_BEFORE // _PER_NEWCOMER, f"That uses the {FREE_BEFORE} blocks free before B finished; B gives some back."),
-        (FREE_AFTER // (NEWCOMER_LEN // BATCH_BLOCK_SIZE),
-         f"{NEWCOMER_LEN} // {BATCH_BLOCK_SIZE} rounds down: {NEWCOMER_LEN} positions need {_PER_NEWCOMER} blocks, the "
-         f"last holding {NEWCOMER_LEN % BATCH_BLOCK_SIZE} of them."),
+        ((FREE_AFTER + len(SHARED)) // _PER_NEWCOMER,
+         f"That counts B's shared blocks {SHARED} as freed too; A and C still hold them."),
+        (BATCH_POOL_BLOCKS // _PER_NEWCOMER, f"That divides the whole pool; A and C still hold their blocks."),
+        (FREE_AFTER, f"{FREE_AFTER} is the number of free blocks, not of requests: each newcomer needs {_PER_NEWCOMER}."),
     ],
     hints=[
         "Count the free blocks after B finishes (those free now, plus the ones B alone held).",
@@ -130,6 +131,9 @@ def _verify_diagnosis(case, got_emitted, got_keep, emitted, keep) -> str:
     proposed, chosen, cached = case
     a = len(emitted) - 1
     matches = sum(p == c for p, c in zip(proposed, chosen))
+    if got_emitted is not None and got_emitted == list(proposed[: a + 1]) and a < len(proposed):
+        return (f"its last token is the rejected proposal {proposed[a]}; the round emits the target's own choice "
+                f"there, chosen[a] = {chosen[a]}.")
     if got_emitted == emitted[:-1]:
         return ("it leaves out the target's own token after the accepted proposals: chosen[a] comes free with the "
                 "verification pass (a correction, or a bonus token when every proposal was right).")
@@ -141,6 +145,8 @@ def _verify_diagnosis(case, got_emitted, got_keep, emitted, keep) -> str:
                 "belong in the cache too (cached + 1 + a).")
     if got_emitted == emitted and got_keep == cached + 1 + len(proposed):
         return "it keeps every proposal's key and value: the rejected ones must be cropped away."
+    if got_emitted == emitted and got_keep in (a, a + 1):
+        return f"the crop length is the cache's whole length, not the round's share: start from cached = {cached}."
     if got_emitted == emitted and got_keep == cached + a + 2:
         return ("it keeps one position too many: the target's new token was chosen by this pass but not fed through "
                 "it, so it has no key or value in the cache yet.")
@@ -163,8 +169,11 @@ def check_verify_round(fn) -> Feedback:
             out = fn(list(proposed), list(chosen), cached)
         except Exception as err:  # noqa: BLE001 - a learner's code may raise anything
             return Feedback(False, f"{call} raised {describe_error(err)} Hint: {VERIFY_HINTS[0]}")
-        if not isinstance(out, (tuple, list)) or len(out) != 2 or as_ints(out) is not None:
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
             return Feedback(False, f"{call} returned {out!r}; return two things: (emitted tokens as a list, crop length).")
+        if as_int(out[0]) is not None and getattr(out[0], "dim", lambda: 0)() == 0:
+            return Feedback(False, f"{call} returned {out!r}; return two things: a list of the emitted tokens (a list "
+                                   f"even when the round emits one token), then the crop length, e.g. ([5, 9], 12).")
         got_emitted, got_keep = as_ints(out[0]), as_int(out[1])
         if got_emitted is None or got_keep is None:
             return Feedback(False, f"{call} returned {out!r}; the tokens must be a list of ints and the crop length an int.")

@@ -361,7 +361,7 @@ ENGINE_KNOBS: tuple[Knob, ...] = (
     Knob("prefix caching", "--enable-prefix-caching", "--disable-radix-cache",
          "reusing the blocks of a prompt prefix already cached (vLLM hashes full blocks; SGLang keeps a "
          "radix tree, on unless disabled); freed blocks stay reusable until evicted",
-         "06, 10, 11"),
+         "06, 11"),
     Knob("memory fraction", "--gpu-memory-utilization", "--mem-fraction-static",
          "vLLM: the share of the card for everything the engine allocates (weights, activation peak, "
          "non-torch, cache), so the cache gets the remainder; SGLang: the share for weights and the KV pool "
@@ -377,9 +377,10 @@ ENGINE_KNOBS: tuple[Knob, ...] = (
     Knob("tokens per step", "--max-num-batched-tokens", "--chunked-prefill-size",
          "how many tokens one forward pass may process: the chunk a long prefill is cut into, and the size "
          "of the profiling pass whose activation peak is subtracted",
-         "11"),
-    Knob("preemption", "--preemption-mode, --swap-space", "",
+         "06, 11"),
+    Knob("preemption", "--preemption-mode", "",
          "what happens to a running sequence when the blocks run out: recompute it later, or swap its "
-         "blocks to CPU memory (--swap-space GiB per GPU); whole sequences, unlike lesson 10's token eviction",
-         "06, 10, 11"),
+         "blocks to CPU memory (--swap-space GiB per GPU; vLLM's V0 engine: V1 only recomputes); whole "
+         "sequences, unlike lesson 10's token eviction",
+         "06, 11"),
 )
