@@ -732,6 +732,15 @@ def engine_batch_times(model, requests, batch_limits=(1, 2, 4, 8), repeats: int 
     return out
 
 
+def decode_step_medians(times: dict) -> dict[int, float]:
+    """Median seconds of a decode-only step by the sequences in it, over every limit and round of :func:`engine_batch_times`."""
+    steps: dict[int, list[float]] = {}
+    for o in times.values():
+        for running, values in o["step"].items():
+            steps.setdefault(running, []).extend(values)
+    return {n: statistics.median(v) for n, v in sorted(steps.items())}
+
+
 def format_engine_batch_times(times: dict) -> str:
     """:func:`engine_batch_times` as a table, then each limit's speed against one request at a time."""
     lines = [f"{'batch limit':>11}{'wall s (median)':>17}{'quartiles':>14}{'tokens/s':>10}{'median TTFT':>13}"
@@ -743,12 +752,8 @@ def format_engine_batch_times(times: dict) -> str:
     first = next(iter(times))
     for limit, o in list(times.items())[1:]:
         lines.append(ratio_sentence(f"batch limit {limit}", o["seconds"], f"batch limit {first}", times[first]["seconds"]))
-    steps: dict[int, list[float]] = {}
-    for o in times.values():
-        for running, values in o["step"].items():
-            steps.setdefault(running, []).extend(values)
     lines.append("one decode step, by the number of sequences in it (median ms over every such step): "
-                 + ", ".join(f"{n}: {statistics.median(v) * 1e3:.1f}" for n, v in sorted(steps.items())))
+                 + ", ".join(f"{n}: {s * 1e3:.1f}" for n, s in decode_step_medians(times).items()))
     return "\n".join(lines)
 
 

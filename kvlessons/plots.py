@@ -321,9 +321,7 @@ def plot_engine_timeline(steps, num_blocks: int, title: str = ""):
 
 def plot_batch_throughput(times: dict, title: str = ""):
     """Lesson 11: tokens per second against the batch limit (median, quartile bars), and a decode step's time by batch."""
-    import statistics
-
-    from .bench import median_and_quartiles
+    from .bench import decode_step_medians, median_and_quartiles
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 3.4))
     limits = list(times)
@@ -336,12 +334,8 @@ def plot_batch_throughput(times: dict, title: str = ""):
     ax.set_xlabel("batch limit (max_num_seqs)")
     ax.set_ylabel("generated tokens per second")
     ax.set_title("throughput, median and quartiles")
-    steps: dict[int, list[float]] = {}
-    for o in times.values():
-        for n, v in o["step"].items():
-            steps.setdefault(n, []).extend(v)
-    ns = sorted(steps)
-    bx.plot(ns, [statistics.median(steps[n]) * 1e3 for n in ns], marker="o")
+    steps = decode_step_medians(times)
+    bx.plot(list(steps), [s * 1e3 for s in steps.values()], marker="o")
     bx.set_ylim(bottom=0)
     bx.set_xlabel("sequences in the decode step")
     bx.set_ylabel("ms per step (median)")

@@ -39,13 +39,12 @@ from __future__ import annotations
 
 import copy
 import math
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
-from .._device import synchronize
+from ..bench import _timed_call
 from ..paging import PagedKVCache, PoolExhaustedError
 from ..paging.attention import slot_indices
 from ..paging.blocks import _token_ids
@@ -411,12 +410,9 @@ class Engine:
         self._admit(number)
         preempted = []
         batch = self._schedule(preempted)
-        synchronize(self.model.device)
-        t0 = time.perf_counter()
-        logits = batched_forward(self.model, self.paged, [(run.seq_id, toks) for run, toks in batch])
-        chosen = logits.argmax(-1).tolist()
-        synchronize(self.model.device)
-        seconds = time.perf_counter() - t0
+        seconds, chosen = _timed_call(
+            lambda: batched_forward(self.model, self.paged, [(run.seq_id, toks) for run, toks in batch]).argmax(-1).tolist(),
+            self.model.device)
         self.clock += seconds
         decode, prefill, finished = 0, 0, []
         for (run, toks), token in zip(batch, chosen):

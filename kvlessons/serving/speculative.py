@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .._device import synchronize
+from ..bench import _timed_call
 from ..cache import ConcatCache, KVCache
 from ..paging.blocks import _token_ids
 from ..shape import require_positive_int
@@ -191,14 +191,6 @@ class SpeculativeRun:
         return (len(self.tokens) - 1) / len(self.rounds) if self.rounds else 0.0
 
 
-def _timed(fn, dev):
-    synchronize(dev)
-    t0 = time.perf_counter()
-    out = fn()
-    synchronize(dev)
-    return out, time.perf_counter() - t0
-
-
 @torch.inference_mode()
 def speculative_generate(target, draft, prompt_ids: torch.Tensor, max_new_tokens: int, k: int,
                          target_cache: KVCache | None = None, stop=()) -> SpeculativeRun:
@@ -232,16 +224,16 @@ def speculative_generate(target, draft, prompt_ids: torch.Tensor, max_new_tokens
     start = time.perf_counter()
     with target_cache.atomic(), draft.atomic():
         rest = prompt_ids[:, target_cache.seq_len:]
-        logits, secs = _timed(lambda: target(rest, cache=target_cache, last_only=True), dev)
+        secs, logits = _timed_call(lambda: target(rest, cache=target_cache, last_only=True), dev)
         run.target_seconds += secs
         out = [int(logits[0, -1].argmax())]
         while len(out) < max_new_tokens and out[-1] not in stop:
             cached = target_cache.seq_len  # the cache holds all but the last chosen token
             room = min(k, max_new_tokens - len(out) - 1)  # a round emits at most room + 1 tokens
-            proposed, secs = _timed(lambda: draft.propose(prompt + out, room) if room else [], dev)
+            secs, proposed = _timed_call(lambda: draft.propose(prompt + out, room) if room else [], dev)
             run.draft_seconds += secs
             ids = torch.tensor([[out[-1]] + proposed], device=dev)
-            logits, secs = _timed(lambda: target(ids, cache=target_cache), dev)  # one pass over 1 + len(proposed) tokens
+            secs, logits = _timed_call(lambda: target(ids, cache=target_cache), dev)  # one pass over 1 + len(proposed) tokens
             run.target_seconds += secs
             emitted, keep = verify(proposed, logits[0].argmax(-1).tolist(), cached)
             target_cache.crop(keep)  # roll back the rejected proposals
